@@ -1,0 +1,54 @@
+"""EngineConfig: one frozen object for engine-wide settings; 'auto' values are resolved into a copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+KV_CACHE_MODES = ("none", "prefix", "dual")
+EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+_DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    decoding: str = "cover"
+    kv_cache: str = "dual"
+    dtype: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    max_num_seqs: int = 64
+    kv_cache_memory_bytes: int | None = None
+    load_format: str = "auto"
+    page_size: int = 16                 # tokens per KV page
+    attention_backend: str = "sdpa"     # "sdpa" | "reference"
+    cache_refresh_interval: int | None = None   # None: refresh at block starts only; 1: every step
+    num_threads: int | None = None      # torch intra-op threads (None: torch's default)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache={self.kv_cache!r}; choose one of {list(KV_CACHE_MODES)}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r};"
+                             f" choose one of {list(EXECUTOR_BACKENDS)}")
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0 (or None for the default)")
+        if self.cache_refresh_interval is not None and self.cache_refresh_interval <= 0:
+            raise ValueError("cache_refresh_interval must be >= 1 or None")
+        if not isinstance(self.seed, int):
+            raise TypeError("seed must be an int")
+
+    def kv_budget_bytes(self, bytes_per_token: int, max_model_len: int) -> int:
+        """The KV pool size: the user's budget, else room for max_num_seqs full canvases (capped)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return min(_DEFAULT_KV_BYTES, self.max_num_seqs * max_model_len * bytes_per_token)
+
+    def with_overrides(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)

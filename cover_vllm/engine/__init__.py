@@ -1,0 +1,1 @@
+"""The engine loop: requests in, schedule -> execute -> decide -> update, outputs out."""

@@ -1,0 +1,75 @@
+"""Runs the strategies of one step: one vectorised `decide` call per strategy instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.scheduler.request import Request
+from cover_vllm.strategies.base import StepBatch
+
+
+@dataclass
+class RowDecision:
+    """One request's decision, view-relative ([view_len] tensors)."""
+
+    commit: torch.Tensor
+    tokens: torch.Tensor
+    remask: torch.Tensor | None
+    replace: torch.Tensor | None
+    keeps: int
+    verified: int
+
+
+def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+def _batch(reqs: list[Request], items, logits: list[torch.Tensor]) -> StepBatch:
+    width = max(x.shape[0] for x in logits)
+    valid = torch.zeros(len(reqs), width, dtype=torch.bool)
+    in_block = torch.zeros_like(valid)
+    is_gen = torch.zeros_like(valid)
+    tokens = []
+    for i, (req, item) in enumerate(zip(reqs, items)):
+        n = item.view_end - item.view_start
+        pos = torch.arange(item.view_start, item.view_end)
+        start, end = req.block
+        valid[i, :n] = True
+        in_block[i, :n] = (pos >= start) & (pos < end)
+        is_gen[i, :n] = pos >= req.prompt_len
+        tokens.append(req.canvas[item.view_start:item.view_end])
+    params = [r.params for r in reqs]
+    return StepBatch(
+        logits=_pad_stack(logits, width, 0.0), tokens=_pad_stack(tokens, width, reqs[0].mask_id),
+        valid=valid, in_block=in_block, is_gen=is_gen, states=[r.state for r in reqs],
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id)
+
+
+def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
+                   logits: list[torch.Tensor]) -> dict[str, RowDecision]:
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(out.items):
+        groups.setdefault(id(requests[item.request_id].strategy), []).append(i)
+    decisions = {}
+    for idx in groups.values():
+        items = [out.items[i] for i in idx]
+        reqs = [requests[it.request_id] for it in items]
+        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx]))
+        for row, (req, item) in enumerate(zip(reqs, items)):
+            n = item.view_end - item.view_start
+            pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
+            decisions[req.request_id] = RowDecision(
+                commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
+                replace=pick(d.replace),
+                keeps=0 if d.keeps is None else int(d.keeps[row]),
+                verified=0 if d.verified is None else int(d.verified[row]))
+    return decisions

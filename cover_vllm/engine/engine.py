@@ -1,0 +1,144 @@
+"""Engine: add_request / abort_request / step; a step is schedule -> execute -> decide -> update."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.engine.decide import run_strategies
+from cover_vllm.engine.output_processor import OutputProcessor
+from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.spec import ModelSpec
+from cover_vllm.outputs import RequestOutput
+from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scheduler.page_pool import PagePool
+from cover_vllm.scheduler.request import Request
+from cover_vllm.scheduler.scheduler import Scheduler
+from cover_vllm.strategies import Strategy, make_params, strategy_class
+
+
+def _load_tokenizer(path):
+    if path is None:
+        return None
+    from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
+
+    return load_tokenizer(path) if has_tokenizer(path) else None
+
+
+def _make_executor(config: EngineConfig, resolved, spec: ModelSpec):
+    backend = config.distributed_executor_backend
+    if config.tensor_parallel_size != 1 or backend in ("mp", "ray"):
+        raise NotImplementedError(
+            "tensor_parallel_size > 1 and the 'mp'/'ray' executors are not available yet; "
+            "use tensor_parallel_size=1 with distributed_executor_backend=None")
+    from cover_vllm.worker.worker import Worker
+
+    return Worker(config, resolved, spec)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        resolved = resolve_model(config.model)
+        self.config = config
+        self.spec = ModelSpec.from_config(resolved.config)
+        strategy_class(config.decoding)                        # fail early on a bad default
+        self.tokenizer = _load_tokenizer(resolved.path)
+        self.executor = _make_executor(config, resolved, self.spec)
+        self.pool = PagePool(self.executor.num_pages)
+        self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
+        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
+        self._strategies: dict[tuple[str, Any], Strategy] = {}
+        self._requests: dict[str, Request] = {}
+        self._counter = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------
+    def _strategy(self, params: SamplingParams) -> Strategy:
+        name = params.decoding or self.config.decoding
+        typed = make_params(name, params.decoding_params)
+        key = (name, typed)
+        if key not in self._strategies:
+            self._strategies[key] = strategy_class(name)(typed, self.spec)
+        return self._strategies[key]
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; pass "
+                             "{'prompt_token_ids': [...]} instead of a string prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, request_id: str, prompt: str | dict | list[int],
+                    params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.spec.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds the model's max length {self.spec.max_model_len}")
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
+            self._counter)
+        generator = torch.Generator().manual_seed(seed)
+        req = Request(request_id, text, ids, params, self._strategy(params), generator)
+        self.scheduler.add_request(req)
+        self._requests[request_id] = req
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
+            prompt = prompt["prompt_token_ids"]
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("prompt must be a string, a list of token ids, or "
+                            "{'prompt_token_ids': [int, ...]}")
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
+        return None, list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.abort_request(request_id)
+        if req is not None:
+            req.finish_reason = "abort"
+            self._requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.items:
+            return []
+        logits = self.executor.execute_model(out).logits
+        decisions = run_strategies(out, self._requests, logits)
+        finished = []
+        for req in self.scheduler.update_from_output(out, decisions):
+            req.final_end = req.block[1]
+            reason = self.outputs.check_stop(req)
+            if reason is None and req.block_idx + 1 == len(req.blocks):
+                reason = "length"
+            if reason is None:
+                req.block_idx += 1
+                req.begin_block()
+                continue
+            self.scheduler.finish(req, reason)
+            self._requests.pop(req.request_id)
+            finished.append(self.outputs.make_output(req))
+        return finished
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free

@@ -1,0 +1,56 @@
+"""Stop checks on FINAL tokens and RequestOutput assembly (detokenisation lives here only)."""
+
+from __future__ import annotations
+
+import time
+
+from cover_vllm.outputs import CompletionOutput, RequestOutput
+from cover_vllm.scheduler.request import Request
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_stop(self, req: Request) -> str | None:
+        """After a block is FINAL: 'stop' if an EOS/stop token or stop string appeared, else None.
+
+        Sets req.output_token_ids / output_text to the final tokens up to the stop point.
+        """
+        final = req.canvas[req.prompt_len:req.final_end].tolist()
+        stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
+        cut = next((i for i, t in enumerate(final) if t in stop_ids), None)
+        ids = final if cut is None else final[: cut + 1]
+        text = self.decode(ids if cut is None else ids[:-1])
+        reason = None if cut is None else "stop"
+        for stop in req.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text, reason = text[:at], "stop"
+                ids = self._ids_for_text(ids, at)
+        req.output_token_ids, req.output_text = ids, text
+        return reason
+
+    def _ids_for_text(self, ids: list[int], length: int) -> list[int]:
+        """Shortest prefix of ids whose text reaches `length` characters (covers the stop)."""
+        for n in range(len(ids) + 1):
+            if len(self.decode(ids[:n])) >= length:
+                return ids[:n]
+        return ids
+
+    def make_output(self, req: Request) -> RequestOutput:
+        m = req.metrics
+        m.latency_s = time.perf_counter() - req.arrival
+        decoded = req.final_end - req.prompt_len             # slots decoded, EOS padding included
+        m.tokens_per_step = decoded / m.steps if m.steps else 0.0
+        done = req.finish_reason is not None
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
+                                      req.finish_reason)],
+            finished=done, metrics=m)

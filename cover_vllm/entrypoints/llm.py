@@ -1,0 +1,104 @@
+"""LLM: the offline entry point (`LLM(model=...).generate(prompts, SamplingParams(...))`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.engine.engine import Engine
+from cover_vllm.outputs import RequestOutput
+from cover_vllm.sampling_params import SamplingParams
+
+PromptType = str | dict | list
+
+
+class LLM:
+    """A diffusion LM with an engine: continuous batching over a paged KV cache.
+
+    model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
+    decoding: default strategy (per-request override in SamplingParams.decoding).
+    kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
+    """
+
+    def __init__(self, model: str, decoding: str = "threshold", kv_cache: str = "dual",
+                 dtype: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None, max_num_seqs: int = 64,
+                 kv_cache_memory_bytes: int | None = None, load_format: str = "auto",
+                 **engine_kwargs: Any):
+        config = EngineConfig(
+            model=str(model), decoding=decoding, kv_cache=kv_cache, dtype=dtype, seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend, max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, load_format=load_format,
+            **engine_kwargs)
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. Every request
+        is validated before any is queued, so one bad prompt raises and queues nothing.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"req-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        from cover_vllm.tokenizer import apply_chat_template
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

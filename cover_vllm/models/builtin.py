@@ -1,0 +1,55 @@
+"""Built-in model names: the shipped `cover-tiny` checkpoint and weightless configs for benchmarks.
+
+`resolve_model(name_or_dir)` turns what a user passes as `model=` into a config dict and, when
+weights exist, the directory holding them. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUILTIN_DIRS = {"cover-tiny": ASSETS / "cover-tiny"}
+
+
+def _builtin_configs() -> dict[str, dict[str, Any]]:
+    from cover_vllm.models.configs import DUMMY_CONFIGS  # weightless shapes (llada-8b, ...)
+
+    return DUMMY_CONFIGS
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    config: dict[str, Any]
+    path: Path | None          # None: a weightless built-in config (load_format="dummy" only)
+
+
+def resolve_model(model: str | Path) -> ResolvedModel:
+    name = str(model)
+    if name in BUILTIN_DIRS:
+        path = BUILTIN_DIRS[name]
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"built-in model {name!r} is not installed at {path}")
+        return ResolvedModel(name, json.loads((path / "config.json").read_text()), path)
+    configs = _builtin_configs()
+    if name in configs:
+        return ResolvedModel(name, dict(configs[name]), None)
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return ResolvedModel(name, json.loads((path / "config.json").read_text()), path)
+    raise FileNotFoundError(
+        f"model={name!r} is neither a built-in name ({sorted([*BUILTIN_DIRS, *configs])}) nor a "
+        "local directory with config.json (nothing is downloaded: pass a local checkpoint dir)")
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The weights directory of `model`; raises for weightless built-in configs."""
+    resolved = resolve_model(model)
+    if resolved.path is None:
+        raise ValueError(f"built-in config {resolved.name!r} has no weights; "
+                         "use load_format='dummy'")
+    return resolved.path

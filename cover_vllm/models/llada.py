@@ -1,0 +1,102 @@
+"""LLaDA (GSAI-ML/LLaDA-8B-Instruct, LLaDA-1.5): a clean-room implementation with official names.
+
+Pre-norm Llama-style blocks with bidirectional attention, no biases, SwiGLU with `ff_proj` as the
+gate, an untied output head `transformer.ff_out`. Tensor names: `model.transformer.blocks.{i}.*`
+(../shared/golden/README.md lists them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cover_vllm.models.base import AttentionFn, ModelDims, dense_forward, key_padding_mask
+from cover_vllm.models.layers import RMSNorm, RotaryEmbedding
+from cover_vllm.models.spec import ModelSpec
+
+
+def llada_dims(cfg: dict[str, Any]) -> ModelDims:
+    heads = cfg["n_heads"]
+    kv_heads = cfg.get("n_kv_heads") or heads
+    if cfg.get("multi_query_attention"):
+        kv_heads = 1
+    return ModelDims(num_layers=cfg["n_layers"], num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=cfg["d_model"] // heads, hidden_size=cfg["d_model"],
+                     vocab_size=cfg.get("embedding_size") or cfg["vocab_size"])
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, cfg: dict[str, Any], dims: ModelDims):
+        super().__init__()
+        d, hd = dims.hidden_size, dims.head_dim
+        bias = bool(cfg.get("include_bias", False))
+        qkv_bias = bias or bool(cfg.get("include_qkv_bias", False))
+        mlp = cfg.get("mlp_hidden_size") or cfg.get("mlp_ratio", 4) * d
+        eps = cfg.get("rms_norm_eps", 1e-5)
+        self.dims = dims
+        self.attn_norm = RMSNorm(d, eps)
+        self.q_proj = nn.Linear(d, dims.num_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, dims.num_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, dims.num_kv_heads * hd, bias=qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=bias)
+        self.ff_norm = RMSNorm(d, eps)
+        self.ff_proj = nn.Linear(d, mlp, bias=bias)   # gate (SiLU applied here)
+        self.up_proj = nn.Linear(d, mlp, bias=bias)
+        self.ff_out = nn.Linear(mlp, d, bias=bias)
+
+    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                rope: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+        t, dims = x.shape[0], self.dims
+        h = self.attn_norm(x)
+        q = rope(self.q_proj(h).view(t, dims.num_heads, dims.head_dim), positions)
+        k = rope(self.k_proj(h).view(t, dims.num_kv_heads, dims.head_dim), positions)
+        v = self.v_proj(h).view(t, dims.num_kv_heads, dims.head_dim)
+        x = x + self.attn_out(attn(layer, q, k, v).reshape(t, -1))
+        h = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class LLaDAModelLM(nn.Module):
+    """`forward(input_ids, attention_mask)` is the dense oracle; the engine uses `forward_tokens`."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        cfg = spec.hf_config
+        self.spec, self.dims = spec, llada_dims(cfg)
+        d = self.dims
+        self.model = nn.Module()
+        t = nn.Module()
+        t.wte = nn.Embedding(d.vocab_size, d.hidden_size)
+        t.blocks = nn.ModuleList(LLaDABlock(cfg, d) for _ in range(d.num_layers))
+        t.ln_f = RMSNorm(d.hidden_size, cfg.get("rms_norm_eps", 1e-5))
+        self.tied = bool(cfg.get("weight_tying", False))
+        if not self.tied:
+            t.ff_out = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+        self.model.transformer = t
+        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.wte(input_ids)
+
+    def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionFn) -> torch.Tensor:
+        x = inputs_embeds
+        for i, block in enumerate(self.model.transformer.blocks):
+            x = block(x, i, positions, self.rope, attn)
+        return self.model.transformer.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        t = self.model.transformer
+        weight = t.wte.weight if self.tied else t.ff_out.weight
+        return F.linear(hidden, weight)
+
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V]. Positions are 0..L-1 even with left padding; padded keys are hidden
+        from every query, padded queries still attend to real keys (official behaviour)."""
+        b, n = input_ids.shape
+        positions = torch.arange(n, device=input_ids.device).expand(b, n)
+        return dense_forward(self, input_ids, positions, key_padding_mask(attention_mask))

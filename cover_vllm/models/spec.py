@@ -1,0 +1,72 @@
+"""Model spec: every model fact a strategy or the engine needs, read once from config.json.
+
+Strategies never hard-code a mask id, an EOS id or the logit shift: they read this object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type in config.json -> architecture family implemented in cover_vllm.models
+_FAMILIES = {"llada": "llada", "dream": "dream", "lladamoe": "llada_moe", "llada_moe": "llada_moe"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture-independent facts about one checkpoint."""
+
+    family: str                      # "llada" | "dream" | "llada_moe"
+    vocab_size: int                  # rows of the output head
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]   # any of these ends generation (EOS and end-of-turn)
+    pad_token_id: int
+    logit_shift: int                 # 0: position j predicted by row j; 1: by row j-1 (Dream)
+    max_model_len: int
+    default_block_length: int = 32
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def predictor_row(self, position: int) -> int:
+        """Row whose logits predict canvas `position` (ALGORITHMS.md §1.2, π(s))."""
+        return max(position - self.logit_shift, 0)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelSpec":
+        model_type = str(config.get("model_type", "")).lower()
+        family = _FAMILIES.get(model_type)
+        if family is None:
+            raise ValueError(
+                f"config.json model_type={model_type!r} is not supported; "
+                f"supported: {sorted(set(_FAMILIES))}"
+            )
+        if "mask_token_id" not in config:
+            raise ValueError("config.json has no 'mask_token_id'; a masked diffusion LM needs one")
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        extra = config.get("eot_token_id")
+        if extra is not None and extra not in eos_ids:
+            eos_ids = eos_ids + (extra,)
+        vocab = config.get("embedding_size") or config["vocab_size"]
+        max_len = (config.get("max_sequence_length") or config.get("max_position_embeddings")
+                   or 4096)
+        pad = config.get("pad_token_id")
+        return cls(
+            family=family,
+            vocab_size=int(vocab),
+            mask_token_id=int(config["mask_token_id"]),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            pad_token_id=int(pad if pad is not None else (eos_ids[0] if eos_ids else 0)),
+            logit_shift=1 if family == "dream" else 0,
+            max_model_len=int(max_len),
+            default_block_length=int(config.get("default_block_length", 32)),
+            hf_config=dict(config),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelSpec":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+        return cls.from_config(json.loads(path.read_text()))

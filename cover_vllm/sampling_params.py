@@ -1,0 +1,83 @@
+"""SamplingParams: the per-request knobs of `LLM.generate` and the server, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_INT_FIELDS = ("max_tokens", "block_length", "steps", "top_k", "seed")
+
+
+def _check_int(name: str, value: Any, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
+
+
+def _check_str_list(name: str, value: Any) -> list:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them")
+    return list(items)
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    `max_tokens` generation slots start as [MASK] and are split into semi-autoregressive blocks of
+    `block_length` (None: the model's default, capped at max_tokens). `steps` is the total number of
+    denoising steps for strategies with a fixed schedule (None: the strategy's default, e.g. one
+    token per step for `low_confidence`). `decoding` overrides the engine's default strategy and
+    `decoding_params` (a dict or the strategy's params dataclass) its knobs.
+    """
+
+    max_tokens: int = 64
+    block_length: int | None = None
+    steps: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    decoding: str | None = None
+    decoding_params: Any = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, allow_none=False)
+        for name in ("block_length", "steps", "seed"):
+            _check_int(name, getattr(self, name), allow_none=True)
+        _check_int("top_k", self.top_k, allow_none=False)
+        if self.max_tokens <= 0:
+            raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
+        if self.block_length is not None and self.block_length <= 0:
+            raise ValueError(f"SamplingParams.block_length must be > 0, got {self.block_length}")
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"SamplingParams.steps must be > 0, got {self.steps}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SamplingParams.{name} must be a number, got "
+                                f"{type(value).__name__}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        self.stop = _check_str_list("stop", self.stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("SamplingParams.stop_token_ids must be a list of ints")
+        self.stop_token_ids = list(ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError("SamplingParams.ignore_eos must be a bool")
+        if self.decoding is not None and not isinstance(self.decoding, str):
+            raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")

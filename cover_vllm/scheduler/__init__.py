@@ -1,0 +1,1 @@
+"""Scheduling: requests and their canvases, KV page admission, per-step work items."""

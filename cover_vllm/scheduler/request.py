@@ -1,0 +1,126 @@
+"""Request: one generation's canvas, its block cursor, strategy state, pages and counters.
+
+Canvas = prompt tokens, then `max_tokens` generation slots that start as [MASK], split into
+semi-autoregressive blocks. A slot is MASKED, DRAFTED (visible, revocable) or FINAL (its block is
+done); positions before `final_end` are FINAL and the only ones ever streamed or stopped on.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cover_vllm.outputs import RequestMetrics
+from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.strategies.base import BlockState, Strategy
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class PageSet:
+    """Pages of one canvas copy and the cache slot of each canvas position."""
+
+    pages: list[int]
+    key_slots: torch.Tensor     # [L] long
+
+
+def split_steps(total: int, num_blocks: int) -> list[int]:
+    """Steps per block: total // num_blocks each, the first (total % num_blocks) one more."""
+    base, rem = divmod(total, num_blocks)
+    return [base + (1 if i < rem else 0) for i in range(num_blocks)]
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, strategy: Strategy, generator: torch.Generator):
+        spec = strategy.spec
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.strategy, self.generator = strategy, generator
+        self.prompt_len = len(prompt_token_ids)
+        self.mask_id = spec.mask_token_id
+        self.canvas = torch.tensor(
+            self.prompt_token_ids + [self.mask_id] * params.max_tokens, dtype=torch.long)
+        block = params.block_length or min(spec.default_block_length, params.max_tokens)
+        starts = range(self.prompt_len, len(self.canvas), block)
+        self.blocks = [(s, min(s + block, len(self.canvas))) for s in starts]
+        total = params.steps or strategy.default_steps(params.max_tokens)
+        self.block_steps = split_steps(max(total, len(self.blocks)), len(self.blocks))
+        self.block_idx = 0
+        self.state = BlockState(block_steps=self.block_steps[0])
+        self.final_end = self.prompt_len       # canvas positions < final_end are FINAL
+        self.pages: list[PageSet] = []         # [cond] or [cond, uncond] for cfg
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics()
+        self.remasked_from: dict[int, int] = {}   # position -> token before its last remask
+        self.arrival = time.perf_counter()
+        self.needs_refresh = True
+        self.steps_since_refresh = 0
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+
+    # ---- geometry --------------------------------------------------------------------------
+    @property
+    def num_canvases(self) -> int:
+        return 2 if self.strategy.cfg_scale > 0 else 1
+
+    @property
+    def canvas_len(self) -> int:
+        return int(self.canvas.numel())
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.blocks[self.block_idx]
+
+    def uncond_canvas(self) -> torch.Tensor:
+        """The classifier-free-guidance copy: every prompt position replaced by [MASK]."""
+        out = self.canvas.clone()
+        out[: self.prompt_len] = self.mask_id
+        return out
+
+    def block_masked(self) -> int:
+        start, end = self.block
+        return int((self.canvas[start:end] == self.mask_id).sum())
+
+    # ---- state changes ---------------------------------------------------------------------
+    def begin_block(self) -> None:
+        self.state = BlockState(block_steps=self.block_steps[self.block_idx])
+        self.strategy.start_block(self.state, self.block_masked())
+        self.needs_refresh = True
+
+    def apply(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
+              remask: torch.Tensor | None, replace: torch.Tensor | None) -> None:
+        """Apply one decision row (view-relative [W] tensors) to the canvas and the counters."""
+        m = self.metrics
+        if remask is not None and bool(remask.any()):
+            for i in remask.nonzero().flatten().tolist():
+                pos = view_start + i
+                self.remasked_from[pos] = int(self.canvas[pos])
+                self.canvas[pos] = self.mask_id
+            m.remasks += int(remask.sum())
+        if replace is not None and bool(replace.any()):
+            idx = replace.nonzero().flatten()
+            self.canvas[view_start + idx] = tokens[idx]
+            m.replaces += int(idx.numel())
+        idx = commit.nonzero().flatten()
+        if self.remasked_from:
+            for i in idx.tolist():
+                before = self.remasked_from.pop(view_start + i, None)
+                if before is not None and before == int(tokens[i]):
+                    m.flip_flops += 1
+        self.canvas[view_start + idx] = tokens[idx]
+        self.state.step += 1
+        m.steps += 1
+
+    def generated(self) -> torch.Tensor:
+        """[G] the generation slots as they stand."""
+        return self.canvas[self.prompt_len:]

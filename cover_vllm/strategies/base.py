@@ -1,0 +1,107 @@
+"""The strategy interface: a pure, vectorised decision from logits rows and canvas state.
+
+A strategy never sees the model, the cache or the scheduler. Each step the engine gives it a
+`StepBatch` for all its requests at once: the logits of the positions in each request's *view*
+(by default the current block), already taken from each position's predictor row (so Dream's
+shift is invisible here), plus the canvas tokens there. It returns a `Decision`: which positions to
+commit (with which token), remask or replace. Per-request memory lives in a state object the
+strategy creates and updates itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from cover_vllm.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class StrategyParams:
+    """Base for every strategy's typed knobs (also the server's `decoding_params` JSON)."""
+
+
+@dataclass
+class BlockState:
+    """Per-request bookkeeping the engine keeps for every strategy."""
+
+    block_steps: int            # steps budgeted for the current block (fixed-schedule strategies)
+    step: int = 0               # steps taken in the current block
+    extra: dict[str, Any] = field(default_factory=dict)   # strategy-owned memory
+
+
+@dataclass
+class StepBatch:
+    """Inputs of one decision for n requests; W = widest view, padded (see `valid`)."""
+
+    logits: torch.Tensor        # [n, W, V] float32, row i predicts view position i
+    tokens: torch.Tensor        # [n, W] current canvas tokens
+    valid: torch.Tensor         # [n, W] bool, False on padding
+    in_block: torch.Tensor      # [n, W] bool, view position inside the current block
+    is_gen: torch.Tensor        # [n, W] bool, view position is a generation slot (not prompt)
+    states: list[BlockState]
+    temperature: torch.Tensor   # [n] float
+    top_p: torch.Tensor         # [n] float
+    top_k: torch.Tensor         # [n] long (-1 = off)
+    generators: list[torch.Generator]
+    mask_id: int
+
+    @property
+    def masked(self) -> torch.Tensor:
+        """[n, W] bool: view positions holding [MASK]."""
+        return (self.tokens == self.mask_id) & self.valid
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """[n, W] bool: masked positions of the current block (what may be committed)."""
+        return self.masked & self.in_block
+
+
+@dataclass
+class Decision:
+    """What to do with each view position. Tokens are read where commit or replace is set."""
+
+    commit: torch.Tensor                  # [n, W] bool: [MASK] -> tokens
+    tokens: torch.Tensor                  # [n, W] long
+    remask: torch.Tensor | None = None    # [n, W] bool: committed -> [MASK]
+    replace: torch.Tensor | None = None   # [n, W] bool: committed -> another token, in place
+    keeps: torch.Tensor | None = None     # [n] long: verified tokens left unchanged
+    verified: torch.Tensor | None = None  # [n] long: positions checked this step
+
+
+class Strategy(ABC):
+    """One decoding rule. Subclasses set `name` and `params_cls` and implement `decide`."""
+
+    name: ClassVar[str]
+    params_cls: ClassVar[type[StrategyParams]] = StrategyParams
+    fixed_schedule: ClassVar[bool] = False   # True: `steps` budgets the steps of each block
+
+    def __init__(self, params: StrategyParams, spec: ModelSpec):
+        self.params, self.spec = params, spec
+
+    @property
+    def cfg_scale(self) -> float:
+        """Classifier-free guidance weight; > 0 runs an unconditional copy of the canvas."""
+        return 0.0
+
+    def default_steps(self, max_tokens: int) -> int:
+        """Total steps when SamplingParams.steps is None (fixed-schedule strategies)."""
+        return max_tokens
+
+    def view_start(self, block_start: int, prompt_len: int) -> int:
+        """First canvas position whose logits `decide` needs (default: the current block)."""
+        return block_start
+
+    def start_block(self, state: BlockState, num_masked: int) -> None:
+        """Called when a request enters a new block, before its first step."""
+
+    def block_done(self, state: BlockState, num_masked: int) -> bool:
+        """Whether the current block is complete (default: no [MASK] left in it)."""
+        return num_masked == 0
+
+    @abstractmethod
+    def decide(self, batch: StepBatch) -> Decision:
+        """One vectorised decision for every request of the batch."""

@@ -1,0 +1,72 @@
+"""Fast-dLLM parallel decoding (NVlabs/Fast-dLLM): `threshold` and `factor` commit rules.
+
+`threshold`: inside the block, the most confident masked position is always revealed and every
+other one whose float64 softmax confidence is not below τ (Fast-dLLM §3.3, Theorem 1); the block
+loops until it has no [MASK], so the step count is data-dependent. With threshold=None it follows
+the LLaDA linear schedule (`steps`). `factor`: with confidences sorted c(1) >= c(2) >= ..., reveal
+the longest prefix with (k + 1)(1 - c(k)) < f, at least one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
+from cover_vllm.strategies.llada import linear_schedule, propose, scheduled_count
+from cover_vllm.strategies.sampling import token_prob, topk_mask
+
+
+def _candidate_confidence(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, logits = propose(batch)
+    conf = token_prob(logits, tokens, torch.float64)
+    return tokens, conf.masked_fill(~batch.candidates, float("-inf"))
+
+
+@dataclass(frozen=True)
+class ThresholdParams(StrategyParams):
+    threshold: float | None = 0.9
+
+    def __post_init__(self) -> None:
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"decoding_params.threshold must be in [0, 1] or null, "
+                             f"got {self.threshold}")
+
+
+class Threshold(Strategy):
+    name = "threshold"
+    params_cls = ThresholdParams
+
+    def start_block(self, state: BlockState, num_masked: int) -> None:
+        linear_schedule(state, num_masked)
+
+    def decide(self, batch: StepBatch) -> Decision:
+        tokens, conf = _candidate_confidence(batch)
+        tau = self.params.threshold
+        if tau is None:
+            return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
+        best = topk_mask(conf, torch.ones(conf.shape[0], dtype=torch.long))
+        return Decision(commit=best | (torch.isfinite(conf) & (conf >= tau)), tokens=tokens)
+
+
+@dataclass(frozen=True)
+class FactorParams(StrategyParams):
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"decoding_params.factor must be > 0, got {self.factor}")
+
+
+class Factor(Strategy):
+    name = "factor"
+    params_cls = FactorParams
+
+    def decide(self, batch: StepBatch) -> Decision:
+        tokens, conf = _candidate_confidence(batch)
+        ordered = conf.sort(dim=-1, descending=True).values                    # [n, W]
+        rank = torch.arange(1, conf.shape[1] + 1, dtype=torch.float64)
+        ok = ((rank + 1) * (1 - ordered) < self.params.factor) & torch.isfinite(ordered)
+        count = ok.long().cumprod(dim=-1).sum(-1).clamp(min=1)                 # leading run
+        return Decision(commit=topk_mask(conf, count), tokens=tokens)

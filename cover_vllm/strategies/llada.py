@@ -1,0 +1,77 @@
+"""LLaDA reference decoders: `low_confidence` and `random` remasking (ML-GSAI/LLaDA generate.py).
+
+Each block gets a fixed number of steps; at step i it reveals a fixed count of tokens chosen when
+the block starts: with m masks and s steps, floor(m/s) per step and one more in the first m mod s
+steps (the paper's linear schedule, LLaDA §2.4 / Appendix B). Candidates are the argmax of the
+(optionally Gumbel-perturbed, float64) logits; `low_confidence` keeps the top-k by softmax
+probability (float32, as the reference file computes it), `random` by a uniform draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
+from cover_vllm.strategies.sampling import (filter_top_k_top_p, gumbel_candidates, token_prob,
+                                            topk_mask)
+
+
+@dataclass(frozen=True)
+class LLaDAParams(StrategyParams):
+    cfg_scale: float = 0.0   # classifier-free guidance: uncond + (cfg+1)(cond - uncond)
+
+    def __post_init__(self) -> None:
+        if self.cfg_scale < 0:
+            raise ValueError(f"decoding_params.cfg_scale must be >= 0, got {self.cfg_scale}")
+
+
+def linear_schedule(state: BlockState, num_masked: int) -> None:
+    base, rem = divmod(num_masked, state.block_steps)
+    state.extra["schedule"] = [base + (1 if i < rem else 0) for i in range(state.block_steps)]
+
+
+def scheduled_count(batch: StepBatch) -> torch.Tensor:
+    """[n] tokens to reveal this step; past the schedule's end, everything left in the block."""
+    left = batch.candidates.sum(-1)
+    counts = [st.extra["schedule"][st.step] if st.step < len(st.extra["schedule"]) else int(n)
+              for st, n in zip(batch.states, left.tolist())]
+    return torch.tensor(counts, dtype=torch.long)
+
+
+def propose(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate tokens [n, W] (Gumbel-max at T > 0) and the logits they were drawn from."""
+    logits = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
+    return gumbel_candidates(logits, batch.temperature, batch.generators), logits
+
+
+class LowConfidence(Strategy):
+    name = "low_confidence"
+    params_cls = LLaDAParams
+    fixed_schedule = True
+
+    @property
+    def cfg_scale(self) -> float:
+        return self.params.cfg_scale
+
+    def start_block(self, state: BlockState, num_masked: int) -> None:
+        linear_schedule(state, num_masked)
+
+    def confidence(self, batch: StepBatch, tokens: torch.Tensor,
+                   logits: torch.Tensor) -> torch.Tensor:
+        return token_prob(logits, tokens, torch.float32)
+
+    def decide(self, batch: StepBatch) -> Decision:
+        tokens, logits = propose(batch)
+        conf = self.confidence(batch, tokens, logits).to(torch.float64)
+        conf = conf.masked_fill(~batch.candidates, float("-inf"))
+        return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
+
+
+class RandomRemasking(LowConfidence):
+    name = "random"
+
+    def confidence(self, batch: StepBatch, tokens: torch.Tensor,
+                   logits: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.rand(tokens.shape[1], generator=g) for g in batch.generators])
