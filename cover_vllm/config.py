@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 KV_CACHE_MODES = ("none", "prefix", "dual")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
 
 
@@ -23,13 +25,17 @@ class EngineConfig:
     load_format: str = "auto"
     page_size: int = 16                 # tokens per KV page
     attention_backend: str = "sdpa"     # "sdpa" | "reference"
-    cache_refresh_interval: int | None = None   # None: refresh at block starts only; 1: every step
+    cache_refresh_interval: int | None = None   # None: refresh at block starts; N: every N steps
     num_threads: int | None = None      # torch intra-op threads (None: torch's default)
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={self.kv_cache!r}; choose one of {list(KV_CACHE_MODES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {list(DTYPES)}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r};"
                              f" choose one of {list(EXECUTOR_BACKENDS)}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cover_vllm.config import KV_CACHE_MODES
+
 _INT_FIELDS = ("max_tokens", "block_length", "steps", "top_k", "seed")
 
 
@@ -32,7 +34,8 @@ class SamplingParams:
     `block_length` (None: the model's default, capped at max_tokens). `steps` is the total number of
     denoising steps for strategies with a fixed schedule (None: the strategy's default, e.g. one
     token per step for `low_confidence`). `decoding` overrides the engine's default strategy and
-    `decoding_params` (a dict or the strategy's params dataclass) its knobs.
+    `decoding_params` (a dict or the strategy's params dataclass) its knobs; `kv_cache` overrides
+    the engine's cache mode for this request ("none" | "prefix" | "dual").
     """
 
     max_tokens: int = 64
@@ -47,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     decoding: str | None = None
     decoding_params: Any = None
+    kv_cache: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,5 +83,8 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError("SamplingParams.ignore_eos must be a bool")
+        if self.kv_cache is not None and self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"SamplingParams.kv_cache={self.kv_cache!r}; choose one of "
+                             f"{list(KV_CACHE_MODES)} or None")
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")

@@ -83,7 +83,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
-        req = Request(request_id, text, ids, params, self._strategy(params), generator)
+        req = Request(request_id, text, ids, params, self._strategy(params), generator,
+                      params.kv_cache or self.config.kv_cache)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from cover_vllm.config import LOAD_FORMATS
 from cover_vllm.models.spec import ModelSpec
 
 # family -> (module, class); imported lazily so a family's extra needs only matter when used.
@@ -19,7 +20,6 @@ MODEL_CLASSES = {
     "llada_moe": ("cover_vllm.models.llada_moe", "LLaDAMoEModelLM"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: str = "cpu") -> torch.dtype:
@@ -96,19 +96,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
-               load_format: str = "auto", seed: int = 0) -> nn.Module:
-    """Load a checkpoint directory (or built-in name) as an eval-mode torch module.
-
-    `model.forward(input_ids, attention_mask=None)` returns full-sequence logits [B, L, V].
-    """
-    from cover_vllm.models.builtin import resolve_model
-
+def instantiate(resolved, spec: ModelSpec, dtype: torch.dtype, load_format: str = "auto",
+                seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """Build `resolved`'s module and fill it (checkpoint or dummy weights); eval mode, no grads."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}; choose one of {list(LOAD_FORMATS)}")
-    resolved = resolve_model(model_dir)
-    spec = ModelSpec.from_config(resolved.config)
-    model = build_model(spec, resolve_dtype(dtype, spec))
+    model = build_model(spec, dtype, device)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif resolved.path is None:
@@ -117,3 +110,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     else:
         load_weights(model, resolved.path)
     return model.eval().requires_grad_(False)
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
+               load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """Load a checkpoint directory (or built-in name) as an eval-mode torch module.
+
+    `model.forward(input_ids, attention_mask=None)` returns full-sequence logits [B, L, V].
+    """
+    from cover_vllm.models.builtin import resolve_model
+
+    resolved = resolve_model(model_dir)
+    spec = ModelSpec.from_config(resolved.config)
+    return instantiate(resolved, spec, resolve_dtype(dtype, spec), load_format, seed)

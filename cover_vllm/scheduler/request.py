@@ -40,11 +40,12 @@ def split_steps(total: int, num_blocks: int) -> list[int]:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, strategy: Strategy, generator: torch.Generator):
+                 params: SamplingParams, strategy: Strategy, generator: torch.Generator,
+                 kv_cache: str):
         spec = strategy.spec
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = list(prompt_token_ids)
-        self.strategy, self.generator = strategy, generator
+        self.strategy, self.generator, self.kv_cache = strategy, generator, kv_cache
         self.prompt_len = len(prompt_token_ids)
         self.mask_id = spec.mask_token_id
         self.canvas = torch.tensor(

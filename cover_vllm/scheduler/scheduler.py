@@ -85,14 +85,14 @@ class Scheduler:
             return 0, req.canvas_len
         start, end = req.block
         first_row = max(min(start, view_start) - self.logit_shift, 0)
-        if self.config.kv_cache == "prefix":
+        if req.kv_cache == "prefix":
             return first_row, req.canvas_len
         return first_row, end
 
     def _work_item(self, req: Request) -> WorkItem:
         interval = self.config.cache_refresh_interval
-        refresh = (self.config.kv_cache == "none" or req.needs_refresh
-                   or (interval is not None and req.steps_since_refresh >= interval))
+        refresh = (req.kv_cache == "none" or req.needs_refresh
+                   or (interval is not None and req.steps_since_refresh + 1 >= interval))
         start, end = req.block
         view_start = req.strategy.view_start(start, req.prompt_len)
         w_start, w_end = self._window(req, refresh, view_start)

@@ -43,7 +43,8 @@ def scheduled_count(batch: StepBatch) -> torch.Tensor:
 def propose(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens [n, W] (Gumbel-max at T > 0) and the logits they were drawn from."""
     logits = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
-    return gumbel_candidates(logits, batch.temperature, batch.generators), logits
+    lengths = batch.valid.sum(-1).tolist()
+    return gumbel_candidates(logits, batch.temperature, batch.generators, lengths), logits
 
 
 class LowConfidence(Strategy):
@@ -74,4 +75,8 @@ class RandomRemasking(LowConfidence):
 
     def confidence(self, batch: StepBatch, tokens: torch.Tensor,
                    logits: torch.Tensor) -> torch.Tensor:
-        return torch.stack([torch.rand(tokens.shape[1], generator=g) for g in batch.generators])
+        """Uniform draws over each request's own view, so batching never changes the stream."""
+        conf = torch.zeros(tokens.shape, dtype=torch.float32)
+        for i, (g, n) in enumerate(zip(batch.generators, batch.valid.sum(-1).tolist())):
+            conf[i, :n] = torch.rand(n, generator=g)
+        return conf

@@ -24,27 +24,28 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 
 def gumbel_candidates(logits: torch.Tensor, temperature: torch.Tensor,
-                      generators: list[torch.Generator]) -> torch.Tensor:
+                      generators: list[torch.Generator], lengths: list[int]) -> torch.Tensor:
     """argmax of LLaDA's float64 Gumbel-max perturbation exp(l) / (-log u)^T; greedy rows at T=0.
 
-    logits [n, W, V] -> tokens [n, W]. Noise is drawn per row from that request's generator.
+    logits [n, W, V] -> tokens [n, W]. Noise for request i covers only its own `lengths[i]` view
+    rows and comes from its own generator, so batching never changes a request's draws.
     """
     tokens = logits.argmax(dim=-1)
     for i in (temperature > 0).nonzero().flatten().tolist():
-        row = logits[i].double()
+        row = logits[i, : lengths[i]].double()
         u = torch.rand(row.shape, dtype=torch.float64, generator=generators[i])
         noisy = row.exp() / (-torch.log(u)) ** float(temperature[i])
-        tokens[i] = noisy.argmax(dim=-1)
+        tokens[i, : lengths[i]] = noisy.argmax(dim=-1)
     return tokens
 
 
 def sample_candidates(logits: torch.Tensor, temperature: torch.Tensor,
-                      generators: list[torch.Generator]) -> torch.Tensor:
+                      generators: list[torch.Generator], lengths: list[int]) -> torch.Tensor:
     """Dream-style sampling: softmax(logits / T) multinomial per row; argmax where T = 0."""
     tokens = logits.argmax(dim=-1)
     for i in (temperature > 0).nonzero().flatten().tolist():
-        probs = torch.softmax(logits[i].float() / float(temperature[i]), dim=-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(-1)
+        probs = torch.softmax(logits[i, : lengths[i]].float() / float(temperature[i]), dim=-1)
+        tokens[i, : lengths[i]] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(-1)
     return tokens
 
 

@@ -7,7 +7,7 @@ import torch
 from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.models.builtin import ResolvedModel
-from cover_vllm.models.loader import build_model, init_dummy_weights, load_weights, resolve_dtype
+from cover_vllm.models.loader import instantiate, resolve_dtype
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
@@ -19,15 +19,8 @@ class Worker:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, spec, config.device)
-        model = build_model(spec, dtype, config.device)
-        if config.load_format == "dummy":
-            init_dummy_weights(model, config.seed)
-        elif resolved.path is None:
-            raise ValueError(f"built-in config {resolved.name!r} has no weights; "
-                             "use load_format='dummy'")
-        else:
-            load_weights(model, resolved.path)
-        self.model = model.eval().requires_grad_(False)
+        self.model = model = instantiate(resolved, spec, dtype, config.load_format, config.seed,
+                                         config.device)
         per_token = kv_bytes_per_token(model.dims, dtype)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)
         num_pages = max(1, budget // (per_token * config.page_size))

@@ -1,0 +1,25 @@
+"""Shared fixtures: the golden LLaDA checkpoint behind a small engine."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))   # test helpers (golden_cases) import by name
+torch.set_num_threads(1)                           # small models: one thread is fastest and stable
+
+from golden_cases import GOLDEN  # noqa: E402
+
+LLADA_DIR = str(GOLDEN / "llada" / "model")
+DREAM_DIR = str(GOLDEN / "dream" / "model")
+
+
+@pytest.fixture(scope="session")
+def llada_dir() -> str:
+    return LLADA_DIR
+
+
+@pytest.fixture(scope="session")
+def dream_dir() -> str:
+    return DREAM_DIR

@@ -1,0 +1,42 @@
+"""Turn ../shared/golden generate.json cases into engine requests (shared by the golden tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cover_vllm import SamplingParams
+
+GOLDEN = Path(__file__).parent / "fixtures" / "golden"
+
+
+def load_cases(family: str, decoders: tuple[str, ...]) -> list[dict]:
+    cases = json.loads((GOLDEN / family / "generate.json").read_text())
+    return [c for c in cases if c["decoder"] in decoders]
+
+
+def real_prompts(case: dict) -> list[dict]:
+    """Each prompt row with its left pads stripped (pads are hidden keys; RoPE is relative)."""
+    mask = case.get("attention_mask")
+    rows = case["prompt_ids"]
+    return [{"prompt_token_ids": [t for j, t in enumerate(row) if not mask or mask[i][j]]}
+            for i, row in enumerate(rows)]
+
+
+def expected_tokens(case: dict) -> list[list[int]]:
+    width = len(case["prompt_ids"][0])
+    return [row[width:] for row in case["output_ids"]]
+
+
+def sampling_params(case: dict) -> SamplingParams:
+    """The engine request equivalent to the reference call (ignore_eos: the references don't stop)."""
+    p, decoder = case["params"], case["decoder"]
+    if decoder == "llada_generate":
+        return SamplingParams(max_tokens=p["gen_length"], block_length=p["block_length"],
+                              steps=p["steps"], ignore_eos=True, decoding=p["remasking"],
+                              decoding_params={"cfg_scale": p["cfg_scale"]})
+    if decoder == "fastdllm_generate":
+        return SamplingParams(max_tokens=p["gen_length"], block_length=p["block_length"],
+                              steps=p["steps"], ignore_eos=True, decoding="threshold",
+                              decoding_params={"threshold": p["threshold"]})
+    raise KeyError(f"no engine mapping for decoder {decoder!r} yet")
