@@ -11,7 +11,9 @@ class RequestMetrics:
 
     nfe: int = 0                 # model forward calls that included this request (cfg pair = 1)
     steps: int = 0               # decoding steps (one decision per forward)
-    tokens_per_step: float = 0.0  # generated tokens / steps
+    decoded_tokens: int = 0      # generation slots decoded (EOS padding included; later blocks
+                                 # skipped after a stop are not)
+    tokens_per_step: float = 0.0  # decoded_tokens / steps
     remasks: int = 0             # committed tokens turned back into [MASK]
     flip_flops: int = 0          # remasks whose next commit wrote the same token again
     replaces: int = 0            # committed tokens changed in place (never a flip-flop)

@@ -39,4 +39,12 @@ def sampling_params(case: dict) -> SamplingParams:
         return SamplingParams(max_tokens=p["gen_length"], block_length=p["block_length"],
                               steps=p["steps"], ignore_eos=True, decoding="threshold",
                               decoding_params={"threshold": p["threshold"]})
+    if decoder == "dream_diffusion_generate":   # the reference has no blocks: one block
+        return SamplingParams(max_tokens=p["max_new_tokens"], block_length=p["max_new_tokens"],
+                              steps=p["steps"], ignore_eos=True, decoding=p["alg"],
+                              decoding_params={"eps": p["eps"], "alg_temp": p["alg_temp"]})
+    if decoder == "fastdllm_dream_threshold":
+        return SamplingParams(max_tokens=p["max_new_tokens"], block_length=p["max_new_tokens"],
+                              steps=p["steps"], ignore_eos=True, decoding="threshold",
+                              decoding_params={"threshold": p["threshold"]})
     raise KeyError(f"no engine mapping for decoder {decoder!r} yet")

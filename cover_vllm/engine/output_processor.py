@@ -46,8 +46,8 @@ class OutputProcessor:
     def make_output(self, req: Request) -> RequestOutput:
         m = req.metrics
         m.latency_s = time.perf_counter() - req.arrival
-        decoded = req.final_end - req.prompt_len             # slots decoded, EOS padding included
-        m.tokens_per_step = decoded / m.steps if m.steps else 0.0
+        m.decoded_tokens = req.final_end - req.prompt_len
+        m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
         done = req.finish_reason is not None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,

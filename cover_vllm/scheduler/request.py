@@ -50,7 +50,7 @@ class Request:
         self.mask_id = spec.mask_token_id
         self.canvas = torch.tensor(
             self.prompt_token_ids + [self.mask_id] * params.max_tokens, dtype=torch.long)
-        block = params.block_length or min(spec.default_block_length, params.max_tokens)
+        block = params.block_length or strategy.default_block_length(params.max_tokens)
         starts = range(self.prompt_len, len(self.canvas), block)
         self.blocks = [(s, min(s + block, len(self.canvas))) for s in starts]
         total = params.steps or strategy.default_steps(params.max_tokens)

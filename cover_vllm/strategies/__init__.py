@@ -15,6 +15,9 @@ STRATEGIES = {
     "random": ("cover_vllm.strategies.llada", "RandomRemasking"),
     "threshold": ("cover_vllm.strategies.fastdllm", "Threshold"),
     "factor": ("cover_vllm.strategies.fastdllm", "Factor"),
+    "maskgit_plus": ("cover_vllm.strategies.dream", "MaskGitPlus"),
+    "topk_margin": ("cover_vllm.strategies.dream", "TopKMargin"),
+    "entropy": ("cover_vllm.strategies.dream", "Entropy"),
 }
 
 

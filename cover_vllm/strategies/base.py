@@ -91,6 +91,11 @@ class Strategy(ABC):
         """Total steps when SamplingParams.steps is None (fixed-schedule strategies)."""
         return max_tokens
 
+    def default_block_length(self, max_tokens: int) -> int:
+        """Block length when SamplingParams.block_length is None (default: the model's, capped
+        at max_tokens). A decoder whose reference has no blocks returns max_tokens: one block."""
+        return min(self.spec.default_block_length, max_tokens)
+
     def view_start(self, block_start: int, prompt_len: int) -> int:
         """First canvas position whose logits `decide` needs (default: the current block)."""
         return block_start

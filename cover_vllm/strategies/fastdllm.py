@@ -3,7 +3,12 @@
 `threshold`: inside the block, the most confident masked position is always revealed and every
 other one whose float64 softmax confidence is not below τ (Fast-dLLM §3.3, Theorem 1); the block
 loops until it has no [MASK], so the step count is data-dependent. With threshold=None it follows
-the LLaDA linear schedule (`steps`). `factor`: with confidences sorted c(1) >= c(2) >= ..., reveal
+the LLaDA linear schedule (`steps`). With `spec.threshold_quota` (Fast-dLLM's Dream decoder,
+dream/model/generation_utils.py `_sample`, alg="confidence_threshold") a step also caps the reveals:
+it takes the top (quota + carry) masked positions by float32 confidence, where quota is the linear
+schedule's count (masks / steps), reveals the best and every other one not below τ, and carries the
+skipped ones to the next step; past the schedule the quota is 0, so extra steps follow until the
+block is done. `factor`: with confidences sorted c(1) >= c(2) >= ..., reveal
 the longest prefix with (k + 1)(1 - c(k)) < f, at least one.
 """
 
@@ -18,9 +23,10 @@ from cover_vllm.strategies.llada import linear_schedule, propose, scheduled_coun
 from cover_vllm.strategies.sampling import token_prob, topk_mask
 
 
-def _candidate_confidence(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidate_confidence(batch: StepBatch,
+                          dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, logits = propose(batch)
-    conf = token_prob(logits, tokens, torch.float64)
+    conf = token_prob(logits, tokens, dtype)
     return tokens, conf.masked_fill(~batch.candidates, float("-inf"))
 
 
@@ -40,14 +46,30 @@ class Threshold(Strategy):
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
         linear_schedule(state, num_masked)
+        state.extra["carry"] = 0
 
     def decide(self, batch: StepBatch) -> Decision:
-        tokens, conf = _candidate_confidence(batch)
-        tau = self.params.threshold
+        tau, quota = self.params.threshold, self.spec.threshold_quota
+        tokens, conf = _candidate_confidence(batch, torch.float32 if quota else torch.float64)
         if tau is None:
             return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
         best = topk_mask(conf, torch.ones(conf.shape[0], dtype=torch.long))
-        return Decision(commit=best | (torch.isfinite(conf) & (conf >= tau)), tokens=tokens)
+        commit = best | (torch.isfinite(conf) & (conf >= tau))
+        if quota:
+            commit = self._within_quota(batch, conf, commit)
+        return Decision(commit=commit, tokens=tokens)
+
+    @staticmethod
+    def _within_quota(batch: StepBatch, conf: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
+        """Keep the commits among the top (quota + carry); carry the skipped ones (see above)."""
+        allowed = [st.extra["carry"] + (st.extra["schedule"][st.step]
+                                        if st.step < len(st.extra["schedule"]) else 0)
+                   for st in batch.states]
+        top = topk_mask(conf, torch.tensor(allowed, dtype=torch.long))
+        commit = commit & top
+        for st, skipped in zip(batch.states, (top & ~commit).sum(-1).tolist()):
+            st.extra["carry"] = skipped
+        return commit
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `cover-vllm bench`: commands that print measurements (never timed tests)."""

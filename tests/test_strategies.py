@@ -1,0 +1,170 @@
+"""Every registered strategy decides the same for a request batched as alone; registry errors."""
+
+import copy
+
+import pytest
+import torch
+
+from cover_vllm.models.spec import ModelSpec
+from cover_vllm.strategies import STRATEGIES, BlockState, StepBatch, make_params, strategy_class
+
+V = 16                                   # vocab; the last id is [MASK]
+MASK = V - 1
+WIDTHS = [7, 12, 5, 9]                   # view width of each of the 4 requests
+WARMUP = [0, 2, 1, 3]                    # steps each request takes alone before the comparison
+STEPS = [4, 3, 6, 2]                     # steps budgeted for each request's block
+
+# Extra knobs tried on top of the defaults (strategies registered later run with defaults).
+VARIANTS = {
+    "threshold": [{"threshold": 0.5}, {"threshold": None}],
+    "factor": [{"factor": 2.0}],
+    "low_confidence": [{"cfg_scale": 1.0}],
+    "maskgit_plus": [{"alg_temp": 0.5}],
+    "topk_margin": [{"alg_temp": 0.2}],
+    "entropy": [{"alg_temp": 1.0}, {"eps": 0.1}],
+}
+CASES = [(name, params) for name in sorted(STRATEGIES)
+         for params in [None] + VARIANTS.get(name, [])]
+
+
+def _spec(quota: bool) -> ModelSpec:
+    """A tiny spec; `quota` flips the one family fact strategies read (Fast-dLLM Dream quota)."""
+    return ModelSpec(family="dream" if quota else "llada", vocab_size=V, mask_token_id=MASK,
+                     eos_token_ids=(V - 2,), pad_token_id=V - 2, logit_shift=int(quota),
+                     max_model_len=128, threshold_quota=quota)
+
+
+class Req:
+    """One hand-built request: view logits/tokens, block bounds, sampling knobs, state, RNG."""
+
+    def __init__(self, i: int, strategy, hot: bool):
+        g = torch.Generator().manual_seed(100 + i)
+        w = WIDTHS[i]
+        self.logits = 3 * torch.randn(w, V, generator=g)              # sharp: thresholds bite
+        self.logits[:, MASK] = float("-inf")
+        self.block = (1, w - 1) if i % 2 else (0, w)                  # odd: context both sides
+        self.tokens = torch.full((w,), MASK)
+        self.tokens[: self.block[0]] = 3
+        committed = torch.rand(w, generator=g) < 0.25                 # a few already revealed
+        self.tokens[committed & (torch.arange(w) < self.block[1])] = 5
+        self.is_gen = torch.arange(w) >= (1 if i % 2 else 0)
+        self.temperature = [0.7, 0.0, 1.3, 0.5][i] if hot else 0.0
+        self.top_p, self.top_k = [1.0, 0.9, 1.0, 0.8][i], [-1, 5, 3, -1][i]
+        self.state = BlockState(block_steps=STEPS[i])
+        start, end = self.block
+        strategy.start_block(self.state, int((self.tokens[start:end] == MASK).sum()))
+        self.generator = torch.Generator().manual_seed(7 + i)
+
+
+def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
+    n, width = len(reqs), max(r.tokens.numel() for r in reqs)
+    logits = torch.zeros(n, width, V)
+    tokens = torch.full((n, width), MASK)
+    valid, in_block, is_gen = (torch.zeros(n, width, dtype=torch.bool) for _ in range(3))
+    for i, r in enumerate(reqs):
+        w = r.tokens.numel()
+        logits[i, :w], tokens[i, :w], is_gen[i, :w] = r.logits, r.tokens, r.is_gen
+        valid[i, :w] = True
+        in_block[i, r.block[0]:r.block[1]] = True
+    return StepBatch(
+        logits=logits, tokens=tokens, valid=valid, in_block=in_block, is_gen=is_gen,
+        states=[r.state for r in reqs],
+        temperature=torch.tensor([r.temperature for r in reqs], dtype=torch.float64),
+        top_p=torch.tensor([r.top_p for r in reqs], dtype=torch.float64),
+        top_k=torch.tensor([r.top_k for r in reqs], dtype=torch.long),
+        generators=generators, mask_id=MASK)
+
+
+def _rows(decision, i: int, w: int) -> dict:
+    """Request i's part of a decision as plain lists (None flags read as all False, counts 0)."""
+    flag = lambda t: [False] * w if t is None else t[i, :w].tolist()  # noqa: E731
+    count = lambda t: 0 if t is None else int(t[i])  # noqa: E731
+    commit, replace = flag(decision.commit), flag(decision.replace)
+    tokens = decision.tokens[i, :w].tolist()
+    return {"commit": commit, "remask": flag(decision.remask), "replace": replace,
+            "tokens": [t if c or r else None for t, c, r in zip(tokens, commit, replace)],
+            "keeps": count(decision.keeps), "verified": count(decision.verified)}
+
+
+def _apply(req: Req, row: dict) -> None:
+    for j in range(req.tokens.numel()):
+        if row["remask"][j]:
+            req.tokens[j] = MASK
+        if row["commit"][j] or row["replace"][j]:
+            req.tokens[j] = row["tokens"][j]
+    req.state.step += 1
+
+
+def _copy_generator(g: torch.Generator) -> torch.Generator:
+    out = torch.Generator()
+    out.set_state(g.get_state())
+    return out
+
+
+def _comparable(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist())
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["T0", "T>0"])
+@pytest.mark.parametrize("quota", [False, True], ids=["llada_spec", "dream_spec"])
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{p}" for n, p in CASES])
+def test_batched_decision_equals_per_row(name, params, quota, hot):
+    strategy = strategy_class(name)(make_params(name, params), _spec(quota))
+    reqs = [Req(i, strategy, hot) for i in range(4)]
+    for r, warmup in zip(reqs, WARMUP):                 # different states: steps taken alone
+        for _ in range(warmup):
+            _apply(r, _rows(strategy.decide(_batch([r], [r.generator])), 0, r.tokens.numel()))
+    alone = copy.deepcopy(reqs)
+    batch_gens = [_copy_generator(r.generator) for r in reqs]
+    batched = strategy.decide(_batch(reqs, batch_gens))
+    for i, r in enumerate(alone):
+        w = r.tokens.numel()
+        single = _rows(strategy.decide(_batch([r], [r.generator])), 0, w)
+        assert _rows(batched, i, w) == single, f"request {i}"
+        assert _comparable(reqs[i].state.extra) == _comparable(r.state.extra), f"state {i}"
+        assert torch.equal(batch_gens[i].get_state(), r.generator.get_state()), f"stream {i}"
+
+
+def test_unknown_strategy_lists_the_valid_names():
+    with pytest.raises(ValueError) as err:
+        strategy_class("no_such_decoder")
+    for name in STRATEGIES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_make_params_rejects_unknown_keys_naming_the_allowed(name):
+    with pytest.raises(ValueError) as err:
+        make_params(name, {"no_such_knob": 1})
+    assert "no_such_knob" in str(err.value)
+    for field in strategy_class(name).params_cls.__dataclass_fields__:
+        assert field in str(err.value)
+
+
+@pytest.mark.parametrize("name,params,field", [
+    ("entropy", {"eps": 1.0}, "eps"), ("maskgit_plus", {"eps": -0.1}, "eps"),
+    ("topk_margin", {"alg_temp": -1.0}, "alg_temp"), ("threshold", {"threshold": 1.5}, "threshold"),
+])
+def test_bad_params_values(name, params, field):
+    with pytest.raises(ValueError, match=field):
+        make_params(name, params)
+
+
+@pytest.mark.parametrize("name,blocks", [("entropy", 1), ("maskgit_plus", 1), ("topk_margin", 1),
+                                         ("low_confidence", 2), ("threshold", 2)])
+def test_default_block_length(dream_dir, name, blocks):
+    """Dream's decoders default to one block (the reference has none); others use the model's."""
+    from cover_vllm import SamplingParams
+    from cover_vllm.scheduler.request import Request
+
+    spec = ModelSpec.from_dir(dream_dir)
+    strategy = strategy_class(name)(make_params(name, None), spec)
+    params = SamplingParams(max_tokens=2 * spec.default_block_length, decoding=name)
+    req = Request("r", None, [1, 2, 3], params, strategy, torch.Generator(), "none")
+    assert len(req.blocks) == blocks
