@@ -186,3 +186,22 @@ def test_tokenizer_with_custom_class_loads_without_remote_code(tmp_path: Path) -
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(tmp_path)
     assert tokenizer("hello world")["input_ids"] == [vocab["hello"], vocab["world"]]
+
+
+def test_llm_loads_sharded_checkpoint_with_tokenizer_and_chats(tmp_path: Path) -> None:
+    """The whole user path: a sharded HF-style directory with a chat template, through LLM."""
+    from cover_vllm import LLM, SamplingParams
+
+    model_dir = _write_checkpoint(tmp_path / "ckpt", _tiny_state(), shards=3)
+    template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}assistant :{% endif %}")
+    vocab = _write_tiny_tokenizer(model_dir, template)
+    llm = LLM(str(model_dir), decoding="low_confidence", kv_cache="dual")
+    params = SamplingParams(max_tokens=8, block_length=4, ignore_eos=True)
+    (out,) = llm.chat([{"role": "user", "content": "hello world"}], params, use_tqdm=False)
+    expect = [vocab[w] for w in ["user", ":", "hello", "world", "assistant", ":"]]
+    assert out.prompt_token_ids == expect
+    assert len(out.outputs[0].token_ids) == 8 and out.metrics.nfe == 8
+    (same,) = llm.generate([{"prompt_token_ids": expect}], params, use_tqdm=False)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    assert isinstance(out.outputs[0].text, str)
