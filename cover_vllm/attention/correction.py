@@ -6,6 +6,8 @@ p' = e^(z' - LSE), each changed column adds (p'·v' - p·V) to the unnormalised 
 the normaliser, so any number of columns of one row compose exactly:
 
     o_r <- (o_r + Σ_s (p'_s v'_s - p_s V_s)) / (1 + Σ_s (p'_s - p_s))
+
+Cost per override: two dot products and one axpy per head, given the row's LSE.
 """
 
 from __future__ import annotations
@@ -13,42 +15,46 @@ from __future__ import annotations
 import torch
 
 
-def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., Hkv, d] -> [..., H, d]: query head h reads kv head h // (H / Hkv)."""
-    group = num_heads // x.shape[-2]
-    return x if group == 1 else x.repeat_interleave(group, dim=-2)
+def expand_kv_heads(x: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor:
+    """[..., Hkv, ...] -> [..., H, ...] along `dim`: query head h reads kv head h // (H / Hkv)."""
+    group = num_heads // x.shape[dim]
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
 
 
-def row_logsumexp(q_rows: torch.Tensor, keys: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """LSE of scaled scores. q_rows [S, H, d]; keys [S, K, H, d]; key_valid [S, K] -> [S, H]."""
-    scores = torch.einsum("shd,skhd->shk", q_rows.float(), keys.float()) * q_rows.shape[-1] ** -0.5
-    scores = scores.masked_fill(~key_valid[:, None, :], float("-inf"))
+def override_row_lse(q: torch.Tensor, keys: torch.Tensor, meta) -> torch.Tensor:
+    """LSE of the override rows' scaled scores, for backends whose kernel does not return it.
+
+    q [T, H, d]; keys [B, Kmax, Hkv, d] -> [S, H] (one gathered key matrix per override).
+    """
+    q_r = q[meta.ov_row].float()
+    ctx_k = expand_kv_heads(keys[meta.ov_seq], q.shape[1]).float()       # [S, K, H, d]
+    scores = torch.einsum("shd,skhd->shk", q_r, ctx_k) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~meta.key_valid[meta.ov_seq][:, None, :], float("-inf"))
     return torch.logsumexp(scores, dim=-1)
 
 
 def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              keys: torch.Tensor, values: torch.Tensor, meta) -> torch.Tensor:
-    """Correct predictor rows of `o` [T, H, d] in place of a copy; see the module docstring.
+                              keys: torch.Tensor, values: torch.Tensor, lse: torch.Tensor,
+                              meta) -> torch.Tensor:
+    """Corrected copy of `o` [T, H, d]; see the module docstring.
 
-    keys/values are the gathered context K/V [B, Kmax, Hkv, d] the main attention used.
+    keys/values: the gathered context K/V [B, Kmax, Hkv, d] the main attention used;
+    lse: [S, H] log-sum-exp of each override's row in that attention.
     """
     if meta.num_overrides == 0:
         return o
     num_heads, scale = q.shape[1], q.shape[-1] ** -0.5
-    q_r = q[meta.ov_row].float()                                        # [S, H, d]
-    ctx_k = expand_kv_heads(keys[meta.ov_seq], num_heads)              # [S, K, H, d]
-    lse = row_logsumexp(q_r, ctx_k, meta.key_valid[meta.ov_seq])       # [S, H]
-    cached_k = ctx_k[torch.arange(len(meta.ov_col)), meta.ov_col]      # [S, H, d]
+    q_r = q[meta.ov_row].float()                                               # [S, H, d]
+    cached_k = expand_kv_heads(keys[meta.ov_seq, meta.ov_col], num_heads).float()
     cached_v = expand_kv_heads(values[meta.ov_seq, meta.ov_col], num_heads).float()
     fresh_k = expand_kv_heads(k[meta.ov_src], num_heads).float()
     fresh_v = expand_kv_heads(v[meta.ov_src], num_heads).float()
-    p_old = torch.exp((q_r * cached_k.float()).sum(-1) * scale - lse)  # [S, H]
+    p_old = torch.exp((q_r * cached_k).sum(-1) * scale - lse)                  # [S, H]
     p_new = torch.exp((q_r * fresh_k).sum(-1) * scale - lse)
-    num = p_new[..., None] * fresh_v - p_old[..., None] * cached_v     # [S, H, d]
-    den = p_new - p_old                                                 # [S, H]
-    out = o.float().clone()
-    add_num = torch.zeros_like(out).index_add_(0, meta.ov_row, num)
-    add_den = torch.zeros(out.shape[:2], dtype=out.dtype).index_add_(0, meta.ov_row, den)
-    rows = torch.unique(meta.ov_row)
-    out[rows] = (out[rows] + add_num[rows]) / (1.0 + add_den[rows])[..., None]
-    return out.to(o.dtype)
+    num = p_new[..., None] * fresh_v - p_old[..., None] * cached_v             # [S, H, d]
+    rows, inverse = torch.unique(meta.ov_row, return_inverse=True)
+    add_num = torch.zeros(len(rows), *num.shape[1:]).index_add_(0, inverse, num)
+    add_den = torch.zeros(len(rows), num_heads).index_add_(0, inverse, p_new - p_old)
+    out = o.clone()
+    out[rows] = ((o[rows].float() + add_num) / (1.0 + add_den)[..., None]).to(o.dtype)
+    return out

@@ -1,4 +1,8 @@
-"""Torch SDPA backend (CPU and CUDA): paged gather, one fused call, closed-form override rows."""
+"""Torch SDPA backend (CPU and CUDA): paged gather, one fused call, closed-form override rows.
+
+On CPU the fused flash kernel also returns each row's log-sum-exp, which is all the override
+correction needs; elsewhere the LSE of the override rows is computed explicitly (cheap: |S| rows).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from cover_vllm.attention.base import AttentionBackend, AttentionMetadata
-from cover_vllm.attention.correction import apply_override_correction
+from cover_vllm.attention.correction import (apply_override_correction, expand_kv_heads,
+                                             override_row_lse)
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class SDPABackend(AttentionBackend):
@@ -15,9 +22,22 @@ class SDPABackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         b, q_max = meta.q_index.shape
-        qp = q[meta.q_index].transpose(1, 2)                 # [B, H, Qmax, d]
-        mask = meta.key_valid[:, None, None, :]              # [B, 1, 1, Kmax]
-        o = F.scaled_dot_product_attention(qp, keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        o = o.transpose(1, 2).reshape(b * q_max, q.shape[1], q.shape[2])[meta.out_index]
-        return apply_override_correction(o, q, k, v, keys, values, meta)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        qp = q[meta.q_index].transpose(1, 2)                   # [B, H, Qmax, d]
+        kp, vp = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Kmax, d]
+        lse = None
+        if q.device.type == "cpu" and meta.num_overrides:
+            bias = torch.zeros(meta.key_valid.shape, dtype=q.dtype).masked_fill(
+                ~meta.key_valid, float("-inf"))[:, None, None, :]
+            o, lse = _FLASH_CPU(qp, expand_kv_heads(kp, num_heads, 1),
+                                expand_kv_heads(vp, num_heads, 1), 0.0, False, attn_mask=bias)
+            lse = lse.transpose(1, 2).reshape(b * q_max, num_heads)[meta.out_index][meta.ov_row]
+        else:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.key_valid[:, None, None],
+                                               enable_gqa=num_heads != k.shape[1])
+        o = o.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[meta.out_index]
+        if meta.num_overrides == 0:
+            return o
+        if lse is None:
+            lse = override_row_lse(q, keys, meta)
+        return apply_override_correction(o, q, k, v, keys, values, lse, meta)

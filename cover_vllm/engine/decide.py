@@ -30,13 +30,23 @@ def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
     return out
 
 
-def _batch(reqs: list[Request], items, logits: list[torch.Tensor]) -> StepBatch:
+def _stat(rows: list[torch.Tensor | None] | None, width: int) -> torch.Tensor | None:
+    if rows is None or any(r is None for r in rows):
+        return None
+    return _pad_stack(rows, width, 0.0)
+
+
+def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
+           attn_in=None) -> StepBatch:
     width = max(x.shape[0] for x in logits)
     valid = torch.zeros(len(reqs), width, dtype=torch.bool)
     in_block = torch.zeros_like(valid)
     is_gen = torch.zeros_like(valid)
     tokens = []
+    seeds = torch.zeros_like(valid)
     for i, (req, item) in enumerate(zip(reqs, items)):
+        for s in req.seeds:
+            seeds[i, s - item.view_start] = True
         n = item.view_end - item.view_start
         pos = torch.arange(item.view_start, item.view_end)
         start, end = req.block
@@ -51,11 +61,14 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor]) -> StepBatch:
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id)
+        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
+        drift=_stat(drift, width), attn_in=_stat(attn_in, width))
 
 
 def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
-                   logits: list[torch.Tensor]) -> dict[str, RowDecision]:
+                   result) -> dict[str, RowDecision]:
+    """One `decide` per strategy instance over the ModelRunnerOutput `result`."""
+    logits = result.logits
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(out.items):
         groups.setdefault(id(requests[item.request_id].strategy), []).append(i)
@@ -63,7 +76,9 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
     for idx in groups.values():
         items = [out.items[i] for i in idx]
         reqs = [requests[it.request_id] for it in items]
-        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx]))
+        stats = [None if result.drift is None else [getattr(result, f)[i] for i in idx]
+                 for f in ("drift", "attn_in")]
+        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx], *stats))
         for row, (req, item) in enumerate(zip(reqs, items)):
             n = item.view_end - item.view_start
             pick = lambda t: None if t is None else t[row, :n]  # noqa: E731

@@ -123,8 +123,7 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.items:
             return []
-        logits = self.executor.execute_model(out).logits
-        decisions = run_strategies(out, self._requests, logits)
+        decisions = run_strategies(out, self._requests, self.executor.execute_model(out))
         finished = []
         for req in self.scheduler.update_from_output(out, decisions):
             req.final_end = req.block[1]

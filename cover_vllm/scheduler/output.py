@@ -27,6 +27,7 @@ class WorkItem:
     override: list[tuple[int, int]] = field(default_factory=list)   # (position s, row π(s))
     cfg_scale: float = 0.0
     is_refresh: bool = False                  # the window covers the whole canvas
+    want_stats: bool = False                  # return KV drift / attention in-mass for the view
 
     @property
     def window_len(self) -> int:

@@ -66,6 +66,7 @@ class Request:
         self.arrival = time.perf_counter()
         self.needs_refresh = True
         self.steps_since_refresh = 0
+        self.seeds: list[int] = []              # positions verified in the current step
         self.output_token_ids: list[int] = []
         self.output_text = ""
 
@@ -94,7 +95,8 @@ class Request:
 
     # ---- state changes ---------------------------------------------------------------------
     def begin_block(self) -> None:
-        self.state = BlockState(block_steps=self.block_steps[self.block_idx])
+        self.state = BlockState(block_steps=self.block_steps[self.block_idx],
+                                memory=self.state.memory)     # per-request, across blocks
         self.strategy.start_block(self.state, self.block_masked())
         self.needs_refresh = True
 

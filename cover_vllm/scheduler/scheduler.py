@@ -99,8 +99,14 @@ class Scheduler:
         copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
         canvases = [CanvasInput(c[w_start:w_end].clone(), ps.key_slots)
                     for c, ps in zip(copies, req.pages)]
-        return WorkItem(req.request_id, w_start, canvases, view_start, end,
-                        cfg_scale=req.strategy.cfg_scale, is_refresh=refresh)
+        seeds = req.strategy.select_seeds(req.state, req.canvas[start:end], start)
+        req.seeds = seeds
+        for s in seeds:                     # verified in the same forward: masked in the input
+            canvases[0].input_ids[s - w_start] = req.mask_id
+        override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
+        return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
+                        cfg_scale=req.strategy.cfg_scale, is_refresh=refresh,
+                        want_stats=req.strategy.wants_stats)
 
     def get(self, request_id: str) -> Request:
         for req in self.running:

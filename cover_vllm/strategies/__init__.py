@@ -14,10 +14,12 @@ STRATEGIES = {
     "low_confidence": ("cover_vllm.strategies.llada", "LowConfidence"),
     "random": ("cover_vllm.strategies.llada", "RandomRemasking"),
     "threshold": ("cover_vllm.strategies.fastdllm", "Threshold"),
+    "cover": ("cover_vllm.strategies.cover", "Cover"),
     "factor": ("cover_vllm.strategies.fastdllm", "Factor"),
     "maskgit_plus": ("cover_vllm.strategies.dream", "MaskGitPlus"),
     "topk_margin": ("cover_vllm.strategies.dream", "TopKMargin"),
     "entropy": ("cover_vllm.strategies.dream", "Entropy"),
+    "saber": ("cover_vllm.strategies.saber", "Saber"),
 }
 
 

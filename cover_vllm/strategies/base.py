@@ -31,6 +31,7 @@ class BlockState:
     block_steps: int            # steps budgeted for the current block (fixed-schedule strategies)
     step: int = 0               # steps taken in the current block
     extra: dict[str, Any] = field(default_factory=dict)   # strategy-owned memory
+    memory: dict[str, Any] = field(default_factory=dict)  # strategy-owned, kept across blocks
 
 
 @dataclass
@@ -48,6 +49,9 @@ class StepBatch:
     top_k: torch.Tensor         # [n] long (-1 = off)
     generators: list[torch.Generator]
     mask_id: int
+    seeds: torch.Tensor | None = None      # [n, W] bool: verified this step (masked in the input)
+    drift: torch.Tensor | None = None      # [n, W] relative K change at write-back (stats layer)
+    attn_in: torch.Tensor | None = None    # [n, W] attention mass from masked rows (stats layer)
 
     @property
     def masked(self) -> torch.Tensor:
@@ -78,6 +82,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     params_cls: ClassVar[type[StrategyParams]] = StrategyParams
     fixed_schedule: ClassVar[bool] = False   # True: `steps` budgets the steps of each block
+    wants_stats: ClassVar[bool] = False      # True: StepBatch.drift / attn_in are filled
 
     def __init__(self, params: StrategyParams, spec: ModelSpec):
         self.params, self.spec = params, spec
@@ -99,6 +104,12 @@ class Strategy(ABC):
     def view_start(self, block_start: int, prompt_len: int) -> int:
         """First canvas position whose logits `decide` needs (default: the current block)."""
         return block_start
+
+    def select_seeds(self, state: BlockState, block_tokens: torch.Tensor,
+                     block_start: int) -> list[int]:
+        """Canvas positions to verify in the next forward (masked in its input, their cached
+        K/V served to every other row). `block_tokens` [block_len] is the current block."""
+        return []
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
         """Called when a request enters a new block, before its first step."""

@@ -9,11 +9,23 @@ import torch
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.kv_cache import KVCache
+from cover_vllm.worker.step_stats import attention_in_mass, key_drift
 
 
 @dataclass
 class ModelRunnerOutput:
     logits: list[torch.Tensor]    # per work item: [view_len, V] float32, row i predicts view pos i
+    drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
+    attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
+
+
+class _Stats:
+    """Collects drift and attention in-mass on one layer during the forward."""
+
+    def __init__(self, layer: int, rows: torch.Tensor, num_tokens: int):
+        self.layer, self.rows = layer, rows
+        self.drift = torch.zeros(num_tokens)
+        self.attn_in: torch.Tensor | None = None     # [B, Kmax]
 
 
 class ModelRunner:
@@ -22,7 +34,7 @@ class ModelRunner:
         self.shift = model.spec.logit_shift
 
     def _layout(self, out: SchedulerOutput):
-        seqs, ids, positions, rows = [], [], [], []
+        seqs, ids, positions, rows, stat_rows = [], [], [], [], []
         offset = 0
         for item in out.items:
             n, w0 = item.window_len, item.window_start
@@ -34,16 +46,32 @@ class ModelRunner:
                 positions.append(torch.arange(w0, w0 + n))
                 rows.append(pred + offset)
                 offset += n
-        return seqs, torch.cat(ids), torch.cat(positions), rows
+                # still-masked view rows (not seeds): whose attention defines downstream influence
+                pos = torch.arange(w0, w0 + n)
+                in_view = (pos >= item.view_start) & (pos < item.view_end)
+                masked = canvas.input_ids == self.model.spec.mask_token_id
+                masked[[s - w0 for s, _ in item.override]] = False
+                stat_rows.append(in_view & masked & (c == 0))
+        return seqs, torch.cat(ids), torch.cat(positions), rows, torch.cat(stat_rows)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        seqs, ids, positions, rows = self._layout(out)
+        seqs, ids, positions, rows, stat_rows = self._layout(out)
         meta = build_metadata(seqs)
         cache, backend = self.cache, self.backend
+        stats = None
+        if any(item.want_stats for item in out.items):
+            stats = _Stats(self.model.dims.num_layers - 1, stat_rows, ids.numel())
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return backend.forward(q, k, v, cache.layer(layer), meta)
+            if stats is None or layer != stats.layer:
+                return backend.forward(q, k, v, cache.layer(layer), meta)
+            k_cache = cache.k[layer]
+            old = k_cache[meta.write_slots]
+            o = backend.forward(q, k, v, cache.layer(layer), meta)
+            stats.drift[meta.write_index] = key_drift(k[meta.write_index], old)
+            stats.attn_in = attention_in_mass(q, k_cache[meta.key_slots], meta, stats.rows)
+            return o
 
         hidden = self.model.forward_tokens(self.model.embed(ids), positions, attn)
         logits = self.model.compute_logits(hidden[torch.cat(rows)]).float()
@@ -55,4 +83,22 @@ class ModelRunner:
                 uncond = per_canvas.pop(0)
                 cond = uncond + (item.cfg_scale + 1.0) * (cond - uncond)
             results.append(cond)
-        return ModelRunnerOutput(results)
+        if stats is None:
+            return ModelRunnerOutput(results)
+        return ModelRunnerOutput(results, *self._split_stats(out, stats))
+
+    @staticmethod
+    def _split_stats(out: SchedulerOutput, stats: _Stats):
+        drift, attn_in = [], []
+        offset, seq = 0, 0
+        for item in out.items:
+            view = slice(item.view_start - item.window_start, item.view_end - item.window_start)
+            if item.want_stats:
+                drift.append(stats.drift[offset:offset + item.window_len][view])
+                attn_in.append(stats.attn_in[seq, item.view_start:item.view_end])
+            else:
+                drift.append(None)
+                attn_in.append(None)
+            offset += item.window_len * len(item.canvases)
+            seq += len(item.canvases)
+        return drift, attn_in
