@@ -47,4 +47,10 @@ def sampling_params(case: dict) -> SamplingParams:
         return SamplingParams(max_tokens=p["max_new_tokens"], block_length=p["max_new_tokens"],
                               steps=p["steps"], ignore_eos=True, decoding="threshold",
                               decoding_params={"threshold": p["threshold"]})
+    if decoder == "saber_generate":
+        return SamplingParams(max_tokens=p["gen_length"], block_length=p["block_length"],
+                              ignore_eos=True, decoding="saber", decoding_params={"n": p["n"]})
+    if decoder == "saber_dream":   # no blocks (default: one); `steps` only sizes the time grid
+        return SamplingParams(max_tokens=p["max_new_tokens"], steps=p["steps"], ignore_eos=True,
+                              decoding="saber", decoding_params={"eos_penalty": p["eos_penalty"]})
     raise KeyError(f"no engine mapping for decoder {decoder!r} yet")

@@ -22,16 +22,18 @@ VARIANTS = {
     "maskgit_plus": [{"alg_temp": 0.5}],
     "topk_margin": [{"alg_temp": 0.2}],
     "entropy": [{"alg_temp": 1.0}, {"eps": 0.1}],
+    "saber": [{"n": 3}, {"n": 1}, {"eos_penalty": 0.5}],
 }
 CASES = [(name, params) for name in sorted(STRATEGIES)
          for params in [None] + VARIANTS.get(name, [])]
 
 
 def _spec(quota: bool) -> ModelSpec:
-    """A tiny spec; `quota` flips the one family fact strategies read (Fast-dLLM Dream quota)."""
+    """A tiny spec; `quota` flips the family facts strategies read (Fast-dLLM Dream quota,
+    Saber's Dream decoder)."""
     return ModelSpec(family="dream" if quota else "llada", vocab_size=V, mask_token_id=MASK,
                      eos_token_ids=(V - 2,), pad_token_id=V - 2, logit_shift=int(quota),
-                     max_model_len=128, threshold_quota=quota)
+                     max_model_len=128, threshold_quota=quota, saber_dream=quota)
 
 
 class Req:
@@ -115,6 +117,8 @@ def _comparable(value):
 @pytest.mark.parametrize("quota", [False, True], ids=["llada_spec", "dream_spec"])
 @pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{p}" for n, p in CASES])
 def test_batched_decision_equals_per_row(name, params, quota, hot):
+    if name == "saber" and params and params.get("eos_penalty") and not quota:
+        pytest.skip("eos_penalty belongs to Saber's Dream decoder (see the test below)")
     strategy = strategy_class(name)(make_params(name, params), _spec(quota))
     reqs = [Req(i, strategy, hot) for i in range(4)]
     for r, warmup in zip(reqs, WARMUP):                 # different states: steps taken alone
@@ -128,7 +132,15 @@ def test_batched_decision_equals_per_row(name, params, quota, hot):
         single = _rows(strategy.decide(_batch([r], [r.generator])), 0, w)
         assert _rows(batched, i, w) == single, f"request {i}"
         assert _comparable(reqs[i].state.extra) == _comparable(r.state.extra), f"state {i}"
+        assert _comparable(reqs[i].state.memory) == _comparable(r.state.memory), f"memory {i}"
         assert torch.equal(batch_gens[i].get_state(), r.generator.get_state()), f"stream {i}"
+
+
+def test_saber_eos_penalty_needs_the_dream_rules():
+    with pytest.raises(ValueError, match="eos_penalty"):
+        strategy_class("saber")(make_params("saber", {"eos_penalty": 0.5}), _spec(False))
+    with pytest.raises(ValueError, match="n must be"):
+        make_params("saber", {"n": 0})
 
 
 def test_unknown_strategy_lists_the_valid_names():
@@ -157,7 +169,8 @@ def test_bad_params_values(name, params, field):
 
 
 @pytest.mark.parametrize("name,blocks", [("entropy", 1), ("maskgit_plus", 1), ("topk_margin", 1),
-                                         ("low_confidence", 2), ("threshold", 2)])
+                                         ("low_confidence", 2), ("threshold", 2),
+                                         ("saber", 1)])
 def test_default_block_length(dream_dir, name, blocks):
     """Dream's decoders default to one block (the reference has none); others use the model's."""
     from cover_vllm import SamplingParams

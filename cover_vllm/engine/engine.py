@@ -9,6 +9,7 @@ import torch
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.decide import run_strategies
+from cover_vllm.engine.timing import StepClock
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
@@ -53,6 +54,7 @@ class Engine:
         self._strategies: dict[tuple[str, Any], Strategy] = {}
         self._requests: dict[str, Request] = {}
         self._counter = itertools.count()
+        self.step_times: list[dict] | None = None    # set to [] to record per-phase timings
 
     # ---- requests --------------------------------------------------------------------------
     def _strategy(self, params: SamplingParams) -> Strategy:
@@ -120,10 +122,27 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
+        clock = StepClock()
         out = self.scheduler.schedule()
         if not out.items:
             return []
-        decisions = run_strategies(out, self._requests, self.executor.execute_model(out))
+        clock.lap("schedule")
+        result = self.executor.execute_model(out)
+        clock.lap("forward")
+        decisions = run_strategies(out, self._requests, result)
+        clock.lap("strategy")
+        finished = self._update(out, decisions)
+        clock.lap("update")
+        if self.step_times is not None:
+            timing = clock.laps
+            timing["prepare"] = result.prepare_s
+            timing["forward"] -= result.prepare_s
+            timing["num_tokens"] = out.num_tokens
+            timing["num_seqs"] = len(out.items)
+            self.step_times.append(timing)
+        return finished
+
+    def _update(self, out, decisions) -> list[RequestOutput]:
         finished = []
         for req in self.scheduler.update_from_output(out, decisions):
             req.final_end = req.block[1]

@@ -30,6 +30,7 @@ class ModelSpec:
     # plus a carry of skipped positions) and scores in float32 (Dream: dream/model/
     # generation_utils.py `_sample`, alg="confidence_threshold"); False: no quota (LLaDA).
     threshold_quota: bool = False
+    saber_dream: bool = False        # Saber's decoder is its Dream port (Dream/generation_utils.py)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def predictor_row(self, position: int) -> int:
@@ -66,6 +67,7 @@ class ModelSpec:
             max_model_len=int(max_len),
             default_block_length=int(config.get("default_block_length", 32)),
             threshold_quota=family == "dream",
+            saber_dream=family == "dream",
             hf_config=dict(config),
         )
 

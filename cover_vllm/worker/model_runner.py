@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ class ModelRunnerOutput:
     logits: list[torch.Tensor]    # per work item: [view_len, V] float32, row i predicts view pos i
     drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
     attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
+    prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
 
 
 class _Stats:
@@ -56,8 +58,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
         seqs, ids, positions, rows, stat_rows = self._layout(out)
         meta = build_metadata(seqs)
+        prepare_s = time.perf_counter() - start
         cache, backend = self.cache, self.backend
         stats = None
         if any(item.want_stats for item in out.items):
@@ -84,8 +88,8 @@ class ModelRunner:
                 cond = uncond + (item.cfg_scale + 1.0) * (cond - uncond)
             results.append(cond)
         if stats is None:
-            return ModelRunnerOutput(results)
-        return ModelRunnerOutput(results, *self._split_stats(out, stats))
+            return ModelRunnerOutput(results, prepare_s=prepare_s)
+        return ModelRunnerOutput(results, *self._split_stats(out, stats), prepare_s=prepare_s)
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
