@@ -121,7 +121,8 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step. Returns an output for every request that finished in it
+        (`finished=True`) or whose current block became FINAL (`finished=False`, partial)."""
         clock = StepClock()
         out = self.scheduler.schedule()
         if not out.items:
@@ -143,7 +144,9 @@ class Engine:
         return finished
 
     def _update(self, out, decisions) -> list[RequestOutput]:
-        finished = []
+        """Apply decisions; a request whose block became FINAL yields an output (finished or a
+        partial one whose text can never change: streaming sends only FINAL text)."""
+        outputs = []
         for req in self.scheduler.update_from_output(out, decisions):
             req.final_end = req.block[1]
             reason = self.outputs.check_stop(req)
@@ -152,11 +155,12 @@ class Engine:
             if reason is None:
                 req.block_idx += 1
                 req.begin_block()
+                outputs.append(self.outputs.make_output(req))
                 continue
             self.scheduler.finish(req, reason)
             self._requests.pop(req.request_id)
-            finished.append(self.outputs.make_output(req))
-        return finished
+            outputs.append(self.outputs.make_output(req))
+        return outputs
 
     @property
     def num_free_pages(self) -> int:

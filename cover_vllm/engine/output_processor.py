@@ -43,14 +43,22 @@ class OutputProcessor:
                 return ids[:n]
         return ids
 
+    def stable_text(self, req: Request) -> str:
+        """The part of a running request's text that no later block can change: a possible
+        stop-string start and an incomplete trailing character are held back."""
+        text = req.output_text
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        text = text[: len(text) - hold] if hold else text
+        return text.rstrip("\ufffd")
+
     def make_output(self, req: Request) -> RequestOutput:
         m = req.metrics
         m.latency_s = time.perf_counter() - req.arrival
         m.decoded_tokens = req.final_end - req.prompt_len
         m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
         done = req.finish_reason is not None
+        text = req.output_text if done else self.stable_text(req)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
-                                      req.finish_reason)],
+            outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)],
             finished=done, metrics=m)

@@ -79,8 +79,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
         except BaseException:
             for rid in ids:
                 if rid not in done:
