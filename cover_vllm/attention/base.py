@@ -6,6 +6,12 @@ canvas, positions 0..L-1, read from the paged KV cache after the window's fresh 
 written in place. *Override* pairs (s, r) implement COVER's two views (ALGORITHMS.md §1.4): the
 fresh K/V of position s are NOT written, so every query reads the cached (visible-token) K/V at s,
 except predictor row r = π(s), which sees the fresh (masked-input) K/V of s.
+
+*Extra rows* (WINO's shadow block, ALGORITHMS.md §2.3) are query rows that are not canvas
+positions. They follow every window on the flat token axis (all windows first, then each
+sequence's extra rows in sequence order), attend over their sequence's canvas keys and over each
+other's fresh keys under a per-row allowed mask, and are never keys of a window row nor written to
+the cache.
 """
 
 from __future__ import annotations
@@ -25,26 +31,46 @@ class SeqLayout:
     key_slots: torch.Tensor       # [L] cache slot of canvas positions 0..L-1
     override: list[tuple[int, int]]   # (position s, predictor row position r); both in window
     hidden_keys: torch.Tensor | None = None   # [L] bool, True = key hidden from every query
+    extra_allowed: torch.Tensor | None = None  # [E, L + E] bool: extra rows' visible keys
 
 
 @dataclass
 class AttentionMetadata:
-    """Index tensors shared by all layers of one forward. T = tokens, B = sequences, S = overrides."""
+    """Index tensors shared by all layers of one forward. T = tokens (Tm window tokens, then Te
+    extra rows), B = sequences, S = overrides, Emax = most extra rows of one sequence."""
 
     write_index: torch.Tensor    # [Tw] flat tokens whose fresh K/V are written to the cache
     write_slots: torch.Tensor    # [Tw] their cache slots
     q_index: torch.Tensor        # [B, Qmax] flat token of each padded query row (pad -> 0)
-    out_index: torch.Tensor      # [T] position of each flat token in the [B * Qmax] padded layout
+    out_index: torch.Tensor      # [Tm] position of each window token in the [B * Qmax] layout
     key_slots: torch.Tensor      # [B, Kmax] cache slot of each key column (pad -> 0)
     key_valid: torch.Tensor      # [B, Kmax] bool
     ov_src: torch.Tensor         # [S] flat token of override position s (fresh K/V source)
     ov_row: torch.Tensor         # [S] flat token of its predictor row r
     ov_seq: torch.Tensor         # [S] sequence index
     ov_col: torch.Tensor         # [S] key column of s (= its canvas position)
+    ov_rows: torch.Tensor        # [R] distinct predictor rows (flat tokens)
+    ov_inverse: torch.Tensor     # [S] index of each override's row in ov_rows
+    num_overrides: int
+    ex_index: torch.Tensor       # [B, Emax] flat token of each padded extra row (pad -> 0)
+    ex_out: torch.Tensor         # [Te] position of each extra row in the [B * Emax] layout
+    ex_allowed: torch.Tensor     # [B, Emax, Kmax + Emax] bool: canvas columns, then extra rows
+    _key_bias: torch.Tensor | None = None
 
     @property
-    def num_overrides(self) -> int:
-        return int(self.ov_src.numel())
+    def num_window_tokens(self) -> int:
+        return int(self.out_index.numel())
+
+    @property
+    def num_extra(self) -> int:
+        return int(self.ex_out.numel())
+
+    def key_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, 1, Kmax]: 0 for real keys, -inf for padding (built once)."""
+        if self._key_bias is None or self._key_bias.dtype != dtype:
+            bias = torch.zeros(self.key_valid.shape, dtype=dtype, device=self.key_valid.device)
+            self._key_bias = bias.masked_fill(~self.key_valid, float("-inf"))[:, None, None, :]
+        return self._key_bias
 
 
 def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -75,17 +101,45 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         write_index.append(flat[keep])
         write_slots.append(s.key_slots[s.window_start:s.window_start + n][keep])
         offset += n
+    ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, offset)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    ov_rows, ov_inverse = torch.unique(as_long(ov_row), return_inverse=True)
     return AttentionMetadata(
         write_index=torch.cat(write_index).to(device), write_slots=torch.cat(write_slots).to(device),
         q_index=q_index.to(device), out_index=torch.cat(out_index).to(device),
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
-        ov_col=as_long(ov_col))
+        ov_col=as_long(ov_col), ov_rows=ov_rows, ov_inverse=ov_inverse,
+        num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
+        ex_allowed=ex_allowed.to(device))
+
+
+def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
+    """Index tensors of the extra rows, which follow all windows on the flat axis (from `offset`)."""
+    counts = [0 if s.extra_allowed is None else int(s.extra_allowed.shape[0]) for s in seqs]
+    b, k_max, e_max = len(seqs), key_valid.shape[1], max(counts)
+    ex_index = torch.zeros(b, e_max, dtype=torch.long)
+    ex_allowed = torch.zeros(b, e_max, k_max + e_max, dtype=torch.bool)
+    ex_allowed[:, :, 0] = True              # padded rows see one key; their output is dropped
+    ex_out = []
+    for i, (s, e) in enumerate(zip(seqs, counts)):
+        if e == 0:
+            continue
+        length = int(s.key_slots.numel())
+        assert s.extra_allowed.shape == (e, length + e), "extra_allowed must be [E, L + E]"
+        ex_index[i, :e] = torch.arange(offset, offset + e)
+        ex_out.append(torch.arange(i * e_max, i * e_max + e))
+        ex_allowed[i, :e] = False
+        ex_allowed[i, :e, :length] = s.extra_allowed[:, :length] & key_valid[i, :length]
+        ex_allowed[i, :e, k_max:k_max + e] = s.extra_allowed[:, length:]
+        offset += e
+    ex_out = torch.cat(ex_out) if ex_out else torch.zeros(0, dtype=torch.long)
+    return ex_index, ex_out, ex_allowed
 
 
 class AttentionBackend(ABC):
-    """Writes the window's fresh K/V in place, then attends over each sequence's paged canvas."""
+    """Writes the window's fresh K/V in place, then attends over each sequence's paged canvas;
+    extra rows (never written) attend separately under their allowed mask."""
 
     name: str
 
@@ -98,9 +152,20 @@ class AttentionBackend(ABC):
         v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_index))
         keys = k_cache[meta.key_slots]       # [B, Kmax, Hkv, d]
         values = v_cache[meta.key_slots]
-        return self.attend(q, k, v, keys, values, meta)
+        if meta.num_extra == 0:
+            return self.attend(q, k, v, keys, values, meta)
+        t = meta.num_window_tokens
+        o = self.attend(q[:t], k[:t], v[:t], keys, values, meta)
+        return torch.cat([o, self.attend_extra(q, k, v, keys, values, meta)])
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over gathered keys/values [B, Kmax, Hkv, d] with the override views."""
+        """Window rows' attention over gathered keys/values [B, Kmax, Hkv, d] with the override
+        views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H, d]."""
+
+    @abstractmethod
+    def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Extra rows' attention: keys = the canvas [B, Kmax] then the extra rows' own fresh K/V,
+        masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns [Te, H, d]."""

@@ -45,16 +45,21 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return o
     num_heads, scale = q.shape[1], q.shape[-1] ** -0.5
     q_r = q[meta.ov_row].float()                                               # [S, H, d]
-    cached_k = expand_kv_heads(keys[meta.ov_seq, meta.ov_col], num_heads).float()
-    cached_v = expand_kv_heads(values[meta.ov_seq, meta.ov_col], num_heads).float()
-    fresh_k = expand_kv_heads(k[meta.ov_src], num_heads).float()
-    fresh_v = expand_kv_heads(v[meta.ov_src], num_heads).float()
-    p_old = torch.exp((q_r * cached_k).sum(-1) * scale - lse)                  # [S, H]
-    p_new = torch.exp((q_r * fresh_k).sum(-1) * scale - lse)
-    num = p_new[..., None] * fresh_v - p_old[..., None] * cached_v             # [S, H, d]
-    rows, inverse = torch.unique(meta.ov_row, return_inverse=True)
-    add_num = torch.zeros(len(rows), *num.shape[1:]).index_add_(0, inverse, num)
-    add_den = torch.zeros(len(rows), num_heads).index_add_(0, inverse, p_new - p_old)
+    # index 0: the cached (visible) K/V the row used; index 1: the fresh (masked-input) K/V
+    kk = expand_kv_heads(torch.stack((keys[meta.ov_seq, meta.ov_col], k[meta.ov_src])),
+                         num_heads).float()                                    # [2, S, H, d]
+    vv = expand_kv_heads(torch.stack((values[meta.ov_seq, meta.ov_col], v[meta.ov_src])),
+                         num_heads).float()
+    p = torch.exp(torch.einsum("shd,tshd->tsh", q_r, kk) * scale - lse)        # [2, S, H]
+    weighted = p[..., None] * vv
+    num, den = weighted[1] - weighted[0], p[1] - p[0]                          # [S, H, d], [S, H]
+    rows = meta.ov_rows
+    if len(rows) == meta.num_overrides:          # one override per row: no reduction needed
+        order = torch.argsort(meta.ov_inverse)
+        num, den = num[order], den[order]
+    else:
+        num = torch.zeros(len(rows), *num.shape[1:]).index_add_(0, meta.ov_inverse, num)
+        den = torch.zeros(len(rows), num_heads).index_add_(0, meta.ov_inverse, den)
     out = o.clone()
-    out[rows] = ((o[rows].float() + add_num) / (1.0 + add_den)[..., None]).to(o.dtype)
+    out[rows] = ((o[rows].float() + num) / (1.0 + den)[..., None]).to(o.dtype)
     return out

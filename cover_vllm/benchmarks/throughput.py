@@ -1,8 +1,10 @@
 """`cover-vllm bench throughput`: every (decoding, kv_cache, batch size) combination in one run.
 
-Prompts are random token ids (or a task's held-out split with --task); every request decodes
-exactly --output-len slots (ignore_eos), so tokens/s compares like with like. Each combination
-gets a warm-up generate first. Compare ratios within one run: absolute times on shared CPUs drift.
+Prompts are random token ids (every request decodes exactly --output-len slots, ignore_eos) or a
+task's held-out split (--task: accuracy from the task's verifier; tokens counted up to EOS).
+Each combination gets a warm-up first. A separately written dense loop (reference_decode: no
+cache, batch 1, one token per step) runs on the same weights and prompts in the same process,
+so every row has a ×-vs-reference ratio measured side by side. Compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cover_vllm.benchmarks.machine import machine_info, matmul_params_per_token, step_flops
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.reference_decode import reference_generate
 from cover_vllm.sampling_params import SamplingParams
 
 
@@ -32,6 +36,9 @@ class ThroughputSpec:
     steps: int | None = None
     threads: int | None = None
     seed: int = 0
+    task: str | None = None
+    reference_prompts: int = 1         # requests timed through the reference loop (0: skip)
+    decoding_params: tuple = ()        # ((strategy, {params}), ...)
 
 
 @dataclass
@@ -47,7 +54,13 @@ class ThroughputRow:
     latency_mean_s: float
     latency_p50_s: float
     latency_p99_s: float
+    accuracy: float | None
+    remasks: float
+    flip_flops: float
     peak_kv_pages: int
+    overhead_fraction: float           # share of step time outside the model forward
+    mfu: float                         # model FLOPs / time / measured matmul peak
+    speedup_vs_reference: float | None
     seconds: float
 
 
@@ -56,60 +69,116 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]} for _ in range(n)]
+class Workload:
+    """The prompts, lengths and verifier of one benchmark run."""
+
+    def __init__(self, spec: ThroughputSpec, llm: LLM, n: int):
+        self.task = None
+        if spec.task is not None:
+            from cover_vllm.tasks import chat_prompt_ids, get_task
+
+            self.task = get_task(spec.task)
+            self.examples = self.task.eval_split(n)
+            self.prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, ex.prompt)}
+                            for ex in self.examples]
+            self.output_len, self.block_length = self.task.max_tokens, self.task.block_length
+        else:
+            es = llm.engine.spec
+            vocab = min(es.eos_token_ids + (es.mask_token_id,))
+            rng = random.Random(spec.seed)
+            self.prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in
+                                                  range(spec.input_len)]} for _ in range(n)]
+            self.output_len, self.block_length = spec.output_len, spec.block_length
+        self.eos = set(llm.engine.spec.eos_token_ids)
+
+    def params(self, spec: ThroughputSpec, decoding: str, kv: str) -> SamplingParams:
+        return SamplingParams(max_tokens=self.output_len, block_length=self.block_length,
+                              steps=spec.steps, ignore_eos=self.task is None, decoding=decoding,
+                              decoding_params=dict(spec.decoding_params).get(decoding),
+                              kv_cache=kv)
+
+    def accuracy(self, outs) -> float | None:
+        if self.task is None:
+            return None
+        return statistics.mean(float(self.task.check(ex.prompt, o.outputs[0].text))
+                               for ex, o in zip(self.examples, outs))
+
+    def useful_tokens(self, ids: list[int]) -> int:
+        """Tokens a user receives: all of them, or up to and including the first EOS (tasks)."""
+        if self.task is None:
+            return len(ids)
+        cut = next((i for i, t in enumerate(ids) if t in self.eos), None)
+        return len(ids) if cut is None else cut + 1
 
 
-def run_throughput(spec: ThroughputSpec, log=print) -> list[ThroughputRow]:
+def run_reference(llm: LLM, work: Workload, count: int) -> dict | None:
+    """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
+    model = llm.engine.executor.model
+    if count <= 0 or model.spec.logit_shift != 0:
+        return None                      # the reference loop is LLaDA's (no logit shift)
+    prompts = [p["prompt_token_ids"] for p in work.prompts[:count]]
+    tokens, start = 0, time.perf_counter()
+    for ids in prompts:
+        out = reference_generate(model, ids, work.output_len, work.block_length,
+                                 work.output_len, model.spec.mask_token_id)
+        tokens += work.useful_tokens(out)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
+            "tokens_per_step": 1.0}
+
+
+def _measure(llm: LLM, work: Workload, sp: SamplingParams, peak_gflops: float):
+    engine = llm.engine
+    llm.generate(work.prompts[:1], sp, use_tqdm=False)               # warm-up
+    engine.pool.peak_used, engine.step_times = 0, []
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    times, engine.step_times = engine.step_times, None
+    per_token = matmul_params_per_token(engine.executor.model, engine.executor.model.dims)
+    total = sum(t["schedule"] + t["prepare"] + t["forward"] + t["strategy"] + t["update"]
+                for t in times)
+    flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
+    overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
+    return outs, seconds, overhead, flops / seconds / (peak_gflops * 1e9)
+
+
+def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    machine = machine_info()
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    rows = []
+    report = {"machine": machine, "model": spec.model, "reference": None, "results": []}
     for bs in spec.batch_sizes:
         llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                   max_num_seqs=bs, load_format=load_format, seed=spec.seed)
-        vocab = min(llm.engine.spec.eos_token_ids + (llm.engine.spec.mask_token_id,))
-        n = spec.num_prompts or 2 * bs
-        prompts = random_prompts(n, spec.input_len, vocab, spec.seed)
+        work = Workload(spec, llm, spec.num_prompts or 2 * bs)
+        if report["reference"] is None and spec.reference_prompts:
+            report["reference"] = run_reference(llm, work, spec.reference_prompts)
+            if report["reference"]:
+                log(f"  reference loop: {report['reference']['tokens_per_s']:.1f} tok/s")
+        ref = (report["reference"] or {}).get("tokens_per_s")
         for decoding in spec.decodings:
             for kv in spec.kv_caches:
-                sp = SamplingParams(max_tokens=spec.output_len, block_length=spec.block_length,
-                                    steps=spec.steps, ignore_eos=True, decoding=decoding,
-                                    kv_cache=kv)
-                llm.generate(prompts[:1], sp, use_tqdm=False)            # warm-up
-                llm.engine.pool.peak_used = 0
-                start = time.perf_counter()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-                seconds = time.perf_counter() - start
-                lat = [o.metrics.latency_s for o in outs]
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                outs, seconds, overhead, mfu = _measure(
+                    llm, work, work.params(spec, decoding, kv), machine["matmul_gflops"])
+                ms = [o.metrics for o in outs]
+                tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
+                lat = [m.latency_s for m in ms]
                 row = ThroughputRow(
-                    decoding=decoding, kv_cache=kv, batch_size=bs, num_prompts=n,
-                    tokens_per_s=tokens / seconds, requests_per_s=n / seconds,
-                    nfe_per_token=statistics.mean(o.metrics.nfe for o in outs) / spec.output_len,
-                    tokens_per_step=statistics.mean(o.metrics.tokens_per_step for o in outs),
+                    decoding=decoding, kv_cache=kv, batch_size=bs, num_prompts=len(outs),
+                    tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
+                    nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
+                    tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
                     latency_mean_s=statistics.mean(lat), latency_p50_s=_percentile(lat, 0.5),
-                    latency_p99_s=_percentile(lat, 0.99), peak_kv_pages=llm.engine.pool.peak_used,
+                    latency_p99_s=_percentile(lat, 0.99), accuracy=work.accuracy(outs),
+                    remasks=statistics.mean(m.remasks for m in ms),
+                    flip_flops=statistics.mean(m.flip_flops for m in ms),
+                    peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
+                    mfu=mfu, speedup_vs_reference=(tokens / seconds / ref) if ref else None,
                     seconds=seconds)
-                rows.append(row)
+                report["results"].append(asdict(row))
                 log(f"  {decoding:>15} {kv:>6} bs={bs:<3} {row.tokens_per_s:8.1f} tok/s  "
-                    f"NFE/token {row.nfe_per_token:.3f}  ({seconds:.1f}s)")
-    return rows
-
-
-COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("num_prompts", "{}"),
-           ("tokens_per_s", "{:.1f}"), ("requests_per_s", "{:.2f}"), ("nfe_per_token", "{:.3f}"),
-           ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
-           ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("peak_kv_pages", "{}")]
-
-
-def format_table(rows: list[ThroughputRow]) -> str:
-    lines = ["| " + " | ".join(n for n, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(f.format(getattr(row, n)) for n, f in COLUMNS) + " |")
-    return "\n".join(lines)
-
-
-def rows_as_dicts(rows: list[ThroughputRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+                    f"NFE/token {row.nfe_per_token:.3f}  overhead {overhead:.0%}  "
+                    f"({seconds:.1f}s)")
+    return report

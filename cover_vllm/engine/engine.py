@@ -140,6 +140,11 @@ class Engine:
             timing["forward"] -= result.prepare_s
             timing["num_tokens"] = out.num_tokens
             timing["num_seqs"] = len(out.items)
+            timing["num_refresh"] = sum(i.is_refresh for i in out.items)
+            timing["attn_pairs"] = sum(i.window_len * len(i.canvases) * i.canvases[0].key_slots.numel()
+                                       for i in out.items)
+            timing["logit_rows"] = sum((i.view_end - i.view_start) * len(i.canvases)
+                                       for i in out.items)
             self.step_times.append(timing)
         return finished
 

@@ -57,12 +57,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print("\n".join(list_tasks()))
         return
     tasks = list_tasks() if args.task == ("all",) else args.task
-    params = args.decoding_params or {}
-    if params and not all(isinstance(v, dict) for v in params.values()):
-        params = {args.decoding[0]: params} if len(args.decoding) == 1 else None
-        if params is None:
-            raise SystemExit("--decoding-params: with several strategies give "
-                             '{"<strategy>": {...}, ...}')
+    params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
                     decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm)
@@ -72,21 +67,70 @@ def cmd_eval(args: argparse.Namespace) -> None:
         write_json(rows, args.json)
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> None:
-    from cover_vllm.benchmarks.throughput import (ThroughputSpec, format_table, rows_as_dicts,
-                                                  run_throughput)
+def _decoding_params(value: dict | None, decodings: tuple[str, ...]) -> dict:
+    """--decoding-params: {"knob": v} for a single strategy, or {"strategy": {...}, ...}."""
+    params = value or {}
+    if params and not all(isinstance(v, dict) for v in params.values()):
+        if len(decodings) != 1:
+            raise SystemExit("--decoding-params: with several strategies give "
+                             '{"<strategy>": {...}, ...}')
+        params = {decodings[0]: params}
+    return params
 
-    spec = ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=args.kv_cache,
-                          batch_sizes=args.batch_size, num_prompts=args.num_prompts,
+
+def _bench_spec(args: argparse.Namespace):
+    from cover_vllm.benchmarks.throughput import ThroughputSpec
+
+    params = _decoding_params(args.decoding_params, args.decoding)
+    return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=args.kv_cache,
+                          batch_sizes=getattr(args, "batch_size", (1,)),
+                          num_prompts=getattr(args, "num_prompts", None),
                           input_len=args.input_len, output_len=args.output_len,
-                          block_length=args.block_length, steps=args.steps,
-                          threads=args.threads, seed=args.seed)
-    rows = run_throughput(spec)
-    print(format_table(rows))
+                          block_length=args.block_length, steps=args.steps, threads=args.threads,
+                          seed=args.seed, task=args.task,
+                          reference_prompts=getattr(args, "reference_prompts", 0),
+                          decoding_params=tuple(params.items()))
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> None:
+    from cover_vllm.benchmarks.report import format_markdown, format_table, write_plot
+    from cover_vllm.benchmarks.throughput import run_throughput
+
+    report = run_throughput(_bench_spec(args))
+    print(format_table(report["results"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"spec": vars(args) | {"func": None}, "results": rows_as_dicts(rows)}, f,
-                      indent=2, default=str)
+            json.dump(report, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(report, "cover-vllm " + " ".join(sys.argv[1:])))
+    if args.plot:
+        write_plot(report, args.plot)
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> None:
+    from cover_vllm.benchmarks.latency import format_latency, run_latency
+
+    rows = run_latency(_bench_spec(args), repeats=args.repeats)
+    print(format_latency(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def _bench_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="cover-tiny")
+    p.add_argument("--decoding", type=_csv, default=("low_confidence",))
+    p.add_argument("--decoding-params", type=_json_obj, default=None)
+    p.add_argument("--kv-cache", type=_csv, default=("dual",))
+    p.add_argument("--task", default=None, help="prompts from a task's held-out split")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (pinned, reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,19 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = b.add_parser("throughput", help="tokens/s per decoding x kv_cache x batch size")
-    t.add_argument("--model", default="cover-tiny")
-    t.add_argument("--decoding", type=_csv, default=("low_confidence",))
-    t.add_argument("--kv-cache", type=_csv, default=("dual",))
+    _bench_common(t)
     t.add_argument("--batch-size", type=_ints, default=(1,))
-    t.add_argument("--num-prompts", type=int, default=None)
-    t.add_argument("--input-len", type=int, default=64)
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--block-length", type=int, default=32)
-    t.add_argument("--steps", type=int, default=None)
-    t.add_argument("--threads", type=int, default=None, help="torch threads (pinned, reported)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--json", default=None)
+    t.add_argument("--num-prompts", type=int, default=None, help="default: 2 x batch size")
+    t.add_argument("--reference-prompts", type=int, default=1,
+                   help="requests timed through the dense reference loop (0: skip)")
+    t.add_argument("--markdown", default=None)
+    t.add_argument("--plot", default=None, help="PNG: accuracy vs tokens/s, NFE/token bars")
     t.set_defaults(func=cmd_bench_throughput)
+    lat = b.add_parser("latency", help="one request: per-step time by engine phase")
+    _bench_common(lat)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.set_defaults(func=cmd_bench_latency)
     return parser
 
 

@@ -19,7 +19,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import token_prob, topk_mask
+from cover_vllm.strategies.sampling import topk_mask
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,11 @@ def _minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class Cover(Strategy):
     name = "cover"
     params_cls = CoverParams
-    wants_stats = True
+
+    @property
+    def wants_stats(self) -> bool:
+        """Drift and attention in-mass are measured only when the score uses them."""
+        return self.params.w_influence > 0 or self.params.w_drift > 0
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
         state.extra.update(conf=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
@@ -128,7 +132,7 @@ class Cover(Strategy):
         draft_tokens, logits = propose(batch)
         probs = torch.softmax(logits.to(torch.float64), dim=-1)
         conf, best = probs.max(dim=-1)                                   # [n, W]
-        cand_conf = token_prob(logits, draft_tokens, torch.float64)
+        cand_conf = probs.gather(-1, draft_tokens[..., None])[..., 0]    # = threshold's float64
         cand_conf = cand_conf.masked_fill(~batch.candidates, float("-inf"))
         draft = topk_mask(cand_conf, torch.ones(conf.shape[0], dtype=torch.long))
         draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)

@@ -1,0 +1,41 @@
+"""What a benchmark needs to know about the machine and the model: peak matmul rate, FLOPs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from cover_vllm.models.base import ModelDims
+
+
+def measure_matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
+    """Sustained fp32 GEMM rate with the current torch thread count (the MFU denominator)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def machine_info() -> dict:
+    return {"cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "matmul_gflops": round(measure_matmul_gflops(), 1)}
+
+
+def matmul_params_per_token(model: torch.nn.Module, dims: ModelDims) -> int:
+    """Weights every token multiplies through: all matrices but embedding and head (an MoE
+    counts every expert, so its MFU is an upper bound)."""
+    total = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
+    head_and_embed = 2 * dims.vocab_size * dims.hidden_size
+    return total - head_and_embed
+
+
+def step_flops(dims: ModelDims, params_per_token: int, timing: dict) -> float:
+    """Model FLOPs of one engine step from its recorded shape (linears, attention, head)."""
+    linear = 2 * params_per_token * timing["num_tokens"]
+    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * timing["attn_pairs"]
+    head = 2 * dims.hidden_size * dims.vocab_size * timing["logit_rows"]
+    return linear + attention + head

@@ -1,0 +1,66 @@
+"""Benchmark reports: the terminal/markdown table and the PNG (accuracy vs tokens/s, NFE/token)."""
+
+from __future__ import annotations
+
+COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("num_prompts", "{}"),
+           ("tokens_per_s", "{:.1f}"), ("speedup_vs_reference", "{:.2f}x"),
+           ("requests_per_s", "{:.2f}"), ("accuracy", "{:.1%}"), ("nfe_per_token", "{:.3f}"),
+           ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
+           ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("remasks", "{:.2f}"),
+           ("flip_flops", "{:.2f}"), ("peak_kv_pages", "{}"), ("overhead_fraction", "{:.1%}"),
+           ("mfu", "{:.1%}")]
+
+
+def _cell(fmt: str, value) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(n for n, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(f, row.get(n)) for n, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict, command: str) -> str:
+    m, ref = report["machine"], report["reference"]
+    ref_line = ("reference loop (dense, no cache, batch 1, 1 token/step): "
+                f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s)"
+                if ref else "reference loop: not run")
+    return "\n".join([
+        f"# cover-vllm bench throughput: {report['model']}", "",
+        f"`{command}`", "",
+        f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
+        f"measured fp32 matmul {m['matmul_gflops']} GFLOP/s", "", ref_line, "",
+        format_table(report["results"]), ""])
+
+
+def write_plot(report: dict, path: str) -> None:
+    """Left: accuracy (or tokens/s when there is no verifier) per combination against tokens/s;
+    right: NFE per token per combination."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [f"{r['decoding']}\n{r['kv_cache']} bs={r['batch_size']}" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    has_acc = all(r["accuracy"] is not None for r in rows)
+    for r, label in zip(rows, labels):
+        y = 100 * r["accuracy"] if has_acc else r["speedup_vs_reference"] or 0.0
+        left.scatter(r["tokens_per_s"], y, s=60, label=label.replace("\n", " "))
+    left.set_xlabel("throughput (output tokens / s)")
+    left.set_ylabel("accuracy (%)" if has_acc else "speed-up vs reference loop (x)")
+    left.set_title("accuracy vs throughput" if has_acc else "speed-up vs throughput")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=7, loc="best")
+    right.bar(range(len(rows)), [r["nfe_per_token"] for r in rows], color="tab:orange")
+    right.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    right.set_ylabel("model forwards per generated token (NFE / token)")
+    right.set_title("NFE per token")
+    right.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"cover-vllm bench throughput: {report['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
