@@ -89,13 +89,14 @@ def run_eval(spec: EvalSpec) -> list[EvalRow]:
     params = dict(spec.decoding_params)
     for name in spec.decodings:
         strategy_class(name)                       # unknown names fail before any work
+    tasks = [get_task(name) for name in spec.tasks]
     llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_cache)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
     rows = []
-    for task_name in spec.tasks:
-        task = get_task(task_name)
+    for task in tasks:
         examples = problems(task, spec.num, spec.seed)
+        evaluate_one(llm, task, examples[:2], spec.decodings[0], None, None, False)  # warm-up
         for decoding in spec.decodings:
             fixed = strategy_class(decoding).fixed_schedule
             for k in (spec.tokens_per_step if fixed else (None,)):

@@ -53,4 +53,9 @@ def sampling_params(case: dict) -> SamplingParams:
     if decoder == "saber_dream":   # no blocks (default: one); `steps` only sizes the time grid
         return SamplingParams(max_tokens=p["max_new_tokens"], steps=p["steps"], ignore_eos=True,
                               decoding="saber", decoding_params={"eos_penalty": p["eos_penalty"]})
+    if decoder == "wino_decoding":
+        return SamplingParams(max_tokens=p["gen_length"], block_length=p["block_length"],
+                              temperature=p["temperature"], ignore_eos=True, decoding="wino",
+                              decoding_params={"threshold": p["threshold"],
+                                               "threshold_back": p["threshold_back"]})
     raise KeyError(f"no engine mapping for decoder {decoder!r} yet")

@@ -97,3 +97,57 @@ def test_no_override_equals_plain_sdpa(heads):
         win = s.key_slots[s.window_start:s.window_start + n]
         assert torch.equal(new_cache[0][win], k[offset:offset + n])
         offset += n
+
+
+def _with_extra_rows(seqs, q, k, v, counts, seed):
+    """Give sequence i `counts[i]` extra query rows with a random allowed mask (WINO-like: each
+    hides one canvas column); their q/k/v follow every window on the flat axis."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s, e in zip(seqs, counts):
+        if e == 0:
+            out.append(s)
+            continue
+        length = int(s.key_slots.numel())
+        allowed = torch.rand(e, length + e, generator=gen) < 0.8
+        allowed[torch.arange(e), torch.randint(length, (e,), generator=gen)] = False
+        allowed[:, length] = True                        # every row sees one extra key at least
+        out.append(SeqLayout(s.window_start, s.window_len, s.key_slots, s.override,
+                             extra_allowed=allowed))
+    t = sum(counts)
+    extra = [torch.randn(t, *x.shape[1:], generator=gen) for x in (q, k, v)]
+    return out, *(torch.cat([x, y]) for x, y in zip((q, k, v), extra))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("overrides", [[], OVERRIDES], ids=["plain", "override"])
+def test_extra_rows_match_reference_and_never_touch_the_cache(heads, overrides):
+    seqs, q, k, v, cache = _random_batch(*heads, overrides, seed=5)
+    base, base_cache = _run("sdpa", seqs, q, k, v, cache)
+    ext, q2, k2, v2 = _with_extra_rows(seqs, q, k, v, [5, 0, 3], seed=6)
+    fast, fast_cache = _run("sdpa", ext, q2, k2, v2, cache)
+    slow, slow_cache = _run("reference", ext, q2, k2, v2, cache)
+    assert fast.shape == (q2.shape[0], *q.shape[1:])
+    assert (fast - slow).abs().max().item() <= 1e-5
+    t = q.shape[0]
+    assert torch.equal(fast[:t], base)                  # window rows never see extra rows
+    assert torch.equal(fast_cache[0], base_cache[0]) and torch.equal(fast_cache[1], base_cache[1])
+    assert torch.equal(slow_cache[0], base_cache[0])
+
+
+def test_extra_rows_follow_their_allowed_mask():
+    """An extra row that may see exactly one canvas key and nothing else returns that value."""
+    seqs, q, k, v, cache = _random_batch(4, 4, [], seed=7)
+    length = int(seqs[0].key_slots.numel())
+    allowed = torch.zeros(2, length + 2, dtype=torch.bool)
+    allowed[0, 3] = True                                 # row 0: canvas column 3 only
+    allowed[1, length + 0] = True                        # row 1: extra row 0's key only
+    ext = [SeqLayout(seqs[0].window_start, seqs[0].window_len, seqs[0].key_slots, [],
+                     extra_allowed=allowed)] + seqs[1:]
+    extra_qkv = torch.randn(3, 2, 4, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    q2, k2, v2 = (torch.cat([x, y]) for x, y in zip((q, k, v), extra_qkv))
+    for backend in ("sdpa", "reference"):
+        out, new_cache = _run(backend, ext, q2, k2, v2, cache)
+        t = q.shape[0]
+        assert torch.allclose(out[t], new_cache[1][seqs[0].key_slots[3]], atol=1e-6)
+        assert torch.allclose(out[t + 1], v2[t], atol=1e-6)

@@ -23,6 +23,8 @@ VARIANTS = {
     "topk_margin": [{"alg_temp": 0.2}],
     "entropy": [{"alg_temp": 1.0}, {"eps": 0.1}],
     "saber": [{"n": 3}, {"n": 1}, {"eos_penalty": 0.5}],
+    "wino": [{"threshold": 0.3, "threshold_back": 0.99}, {"initial_last_accept": 2}],
+    "asrd": [{"anchor_steps": 1, "anchor_threshold": 0.2, "max_draft": 2}],
 }
 CASES = [(name, params) for name in sorted(STRATEGIES)
          for params in [None] + VARIANTS.get(name, [])]
@@ -56,6 +58,8 @@ class Req:
         start, end = self.block
         strategy.start_block(self.state, int((self.tokens[start:end] == MASK).sum()))
         self.generator = torch.Generator().manual_seed(7 + i)
+        # logits of extra query rows (WINO's shadow block: one row per block slot)
+        self.extra = 3 * torch.randn(end - start, V, generator=torch.Generator().manual_seed(i))
 
 
 def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
@@ -68,13 +72,17 @@ def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
         logits[i, :w], tokens[i, :w], is_gen[i, :w] = r.logits, r.tokens, r.is_gen
         valid[i, :w] = True
         in_block[i, r.block[0]:r.block[1]] = True
+    extra = torch.zeros(n, max(r.extra.shape[0] for r in reqs), V)
+    extra_valid = torch.zeros(extra.shape[:2], dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        extra[i, : r.extra.shape[0]], extra_valid[i, : r.extra.shape[0]] = r.extra, True
     return StepBatch(
         logits=logits, tokens=tokens, valid=valid, in_block=in_block, is_gen=is_gen,
         states=[r.state for r in reqs],
         temperature=torch.tensor([r.temperature for r in reqs], dtype=torch.float64),
         top_p=torch.tensor([r.top_p for r in reqs], dtype=torch.float64),
         top_k=torch.tensor([r.top_k for r in reqs], dtype=torch.long),
-        generators=generators, mask_id=MASK)
+        generators=generators, mask_id=MASK, extra_logits=extra, extra_valid=extra_valid)
 
 
 def _rows(decision, i: int, w: int) -> dict:

@@ -115,7 +115,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
 
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
-    """Index tensors of the extra rows, which follow all windows on the flat axis (from `offset`)."""
+    """Index tensors of the extra rows; they follow all windows on the flat axis from `offset`."""
     counts = [0 if s.extra_allowed is None else int(s.extra_allowed.shape[0]) for s in seqs]
     b, k_max, e_max = len(seqs), key_valid.shape[1], max(counts)
     ex_index = torch.zeros(b, e_max, dtype=torch.long)

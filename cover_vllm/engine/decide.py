@@ -36,8 +36,21 @@ def _stat(rows: list[torch.Tensor | None] | None, width: int) -> torch.Tensor | 
     return _pad_stack(rows, width, 0.0)
 
 
+def _extras(rows: list[torch.Tensor | None] | None) -> tuple[torch.Tensor | None, ...]:
+    """Per-request extra-row logits ([E_i, V] or None) -> padded [n, E, V] and validity [n, E]."""
+    if rows is None or all(r is None for r in rows):
+        return None, None
+    vocab = next(r for r in rows if r is not None).shape[-1]
+    rows = [torch.zeros(0, vocab) if r is None else r for r in rows]
+    width = max(r.shape[0] for r in rows)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        valid[i, : r.shape[0]] = True
+    return _pad_stack(rows, width, 0.0), valid
+
+
 def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
-           attn_in=None) -> StepBatch:
+           attn_in=None, extra_logits=None) -> StepBatch:
     width = max(x.shape[0] for x in logits)
     valid = torch.zeros(len(reqs), width, dtype=torch.bool)
     in_block = torch.zeros_like(valid)
@@ -55,6 +68,7 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         is_gen[i, :n] = pos >= req.prompt_len
         tokens.append(req.canvas[item.view_start:item.view_end])
     params = [r.params for r in reqs]
+    extra = _extras(extra_logits)
     return StepBatch(
         logits=_pad_stack(logits, width, 0.0), tokens=_pad_stack(tokens, width, reqs[0].mask_id),
         valid=valid, in_block=in_block, is_gen=is_gen, states=[r.state for r in reqs],
@@ -62,7 +76,8 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
         generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
-        drift=_stat(drift, width), attn_in=_stat(attn_in, width))
+        drift=_stat(drift, width), attn_in=_stat(attn_in, width),
+        extra_logits=extra[0], extra_valid=extra[1])
 
 
 def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
@@ -78,7 +93,9 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
         reqs = [requests[it.request_id] for it in items]
         stats = [None if result.drift is None else [getattr(result, f)[i] for i in idx]
                  for f in ("drift", "attn_in")]
-        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx], *stats))
+        extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
+        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx], *stats,
+                                           extra_logits=extra))
         for row, (req, item) in enumerate(zip(reqs, items)):
             n = item.view_end - item.view_start
             pick = lambda t: None if t is None else t[row, :n]  # noqa: E731

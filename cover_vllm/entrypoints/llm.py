@@ -23,7 +23,7 @@ class LLM:
     kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
     """
 
-    def __init__(self, model: str, decoding: str = "threshold", kv_cache: str = "dual",
+    def __init__(self, model: str, decoding: str = "cover", kv_cache: str = "dual",
                  dtype: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, max_num_seqs: int = 64,
                  kv_cache_memory_bytes: int | None = None, load_format: str = "auto",
@@ -40,6 +40,24 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also run on deletion."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:       # interpreter teardown: best effort
+            pass
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -16,6 +16,42 @@ class CanvasInput:
 
 
 @dataclass
+class ExtraRows:
+    """Query rows run alongside a window that are never part of the canvas (WINO's shadow block).
+
+    They are queries only: their K/V are never written to the cache and no window row sees them.
+    Row e sees canvas column j where `allowed[e, j]` and extra row f where `allowed[e, L + f]`.
+    Their logits come back raw (row e's own output; no predictor-row shift is applied).
+    """
+
+    input_ids: torch.Tensor      # [E] tokens of the extra rows
+    positions: torch.Tensor      # [E] their RoPE positions (may repeat canvas positions)
+    allowed: torch.Tensor        # [E, L + E] bool: canvas key columns, then extra-row columns
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class EmbedEdit:
+    """Per-position input-embedding edits, applied by the runner right after `model.embed`:
+
+        e_p <- e_p + sum_k mix_weights[n, k] * embed(mix_ids[n, k])  +  perturb[n] * |e_p| * u_n
+
+    (p = positions[n]; u_n a unit vector orthogonal to e_p, drawn from torch.Generator(seed), so a
+    request's edit never depends on its batch). Positions must lie in the window; the edited
+    positions' fresh K/V are written to the cache like any other window position.
+    """
+
+    positions: torch.Tensor      # [N] canvas positions (inside the window)
+    mix_ids: torch.Tensor        # [N, K] token ids whose embeddings are added
+    mix_weights: torch.Tensor    # [N, K] float weights (0 = unused slot)
+    perturb: torch.Tensor        # [N] float: orthogonal perturbation size relative to |e_p|
+    seed: int = 0
+
+
+@dataclass
 class WorkItem:
     """One request's share of a step: a forward over its window, logits for its view."""
 
@@ -28,10 +64,16 @@ class WorkItem:
     cfg_scale: float = 0.0
     is_refresh: bool = False                  # the window covers the whole canvas
     want_stats: bool = False                  # return KV drift / attention in-mass for the view
+    extra: ExtraRows | None = None            # extra query rows (cond canvas only), e.g. WINO
+    embed_edit: EmbedEdit | None = None       # input-embedding edits (cond canvas only), e.g. ASRD
 
     @property
     def window_len(self) -> int:
         return int(self.canvases[0].input_ids.numel())
+
+    @property
+    def num_extra(self) -> int:
+        return 0 if self.extra is None else self.extra.num_rows
 
 
 @dataclass
@@ -41,4 +83,4 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(item.window_len * len(item.canvases) for item in self.items)
+        return sum(item.window_len * len(item.canvases) + item.num_extra for item in self.items)

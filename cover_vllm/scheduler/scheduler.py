@@ -106,7 +106,9 @@ class Scheduler:
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
         return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
                         cfg_scale=req.strategy.cfg_scale, is_refresh=refresh,
-                        want_stats=req.strategy.wants_stats)
+                        want_stats=req.strategy.wants_stats,
+                        extra=req.strategy.extra_rows(req.state, req.canvas, req.block),
+                        embed_edit=req.strategy.embed_edits(req.state, req.canvas, req.block))
 
     def get(self, request_id: str) -> Request:
         for req in self.running:

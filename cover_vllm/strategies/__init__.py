@@ -20,6 +20,8 @@ STRATEGIES = {
     "topk_margin": ("cover_vllm.strategies.dream", "TopKMargin"),
     "entropy": ("cover_vllm.strategies.dream", "Entropy"),
     "saber": ("cover_vllm.strategies.saber", "Saber"),
+    "wino": ("cover_vllm.strategies.wino", "Wino"),
+    "asrd": ("cover_vllm.strategies.asrd", "ASRD"),
 }
 
 

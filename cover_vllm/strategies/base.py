@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from cover_vllm.models.spec import ModelSpec
+from cover_vllm.scheduler.output import EmbedEdit, ExtraRows
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class StepBatch:
     seeds: torch.Tensor | None = None      # [n, W] bool: verified this step (masked in the input)
     drift: torch.Tensor | None = None      # [n, W] relative K change at write-back (stats layer)
     attn_in: torch.Tensor | None = None    # [n, W] attention mass from masked rows (stats layer)
+    extra_logits: torch.Tensor | None = None   # [n, E, V] float32 logits of the extra rows the
+                                               # strategy asked for (`extra_rows`), raw row order
+    extra_valid: torch.Tensor | None = None    # [n, E] bool, False on padding / no extra rows
 
     @property
     def masked(self) -> torch.Tensor:
@@ -110,6 +114,18 @@ class Strategy(ABC):
         """Canvas positions to verify in the next forward (masked in its input, their cached
         K/V served to every other row). `block_tokens` [block_len] is the current block."""
         return []
+
+    def extra_rows(self, state: BlockState, canvas: torch.Tensor,
+                   block: tuple[int, int]) -> ExtraRows | None:
+        """Extra query rows for the next forward (WINO's shadow block): never cached, never seen
+        by canvas rows; their logits arrive as `StepBatch.extra_logits`. `canvas` [L]."""
+        return None
+
+    def embed_edits(self, state: BlockState, canvas: torch.Tensor,
+                    block: tuple[int, int]) -> EmbedEdit | None:
+        """Input-embedding edits for the next forward at positions of the current block (ASRD's
+        anchor guidance and perturbations), applied by the runner after `model.embed`."""
+        return None
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
         """Called when a request enters a new block, before its first step."""

@@ -24,7 +24,7 @@ from cover_vllm.strategies.sampling import topk_mask
 
 @dataclass(frozen=True)
 class CoverParams(StrategyParams):
-    draft_threshold: float = 0.7          # τ_draft: commit masked positions at least this sure
+    draft_threshold: float = 0.9          # τ_draft: commit masked positions at least this sure
     max_draft: int | None = None          # B: cap on drafts per step (None: no cap)
     replace_threshold: float | None = None   # τ_rep (None: τ_draft)
     keep_min: float = 0.0                 # τ_keep_min: argmax agrees but less sure -> ReMask

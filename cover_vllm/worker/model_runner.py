@@ -1,14 +1,20 @@
-"""ModelRunner: turns a SchedulerOutput into one batched paged forward and the views' logits."""
+"""ModelRunner: turns a SchedulerOutput into one batched paged forward and the views' logits.
+
+The flat token axis holds every canvas window (cond, then uncond for cfg) item by item, then the
+items' extra query rows (attention/base.py). Embedding edits are applied right after
+`model.embed`; extra rows' logits come back raw, per item.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
-from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.scheduler.output import EmbedEdit, SchedulerOutput
+from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift
 
@@ -19,6 +25,20 @@ class ModelRunnerOutput:
     drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
     attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
     prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
+    extra_logits: list[torch.Tensor | None] | None = None   # per item [E, V] (items with extras)
+
+
+@dataclass
+class _Layout:
+    """The flat token axis of one forward: every canvas window, then every item's extra rows."""
+
+    seqs: list[SeqLayout] = field(default_factory=list)
+    ids: list[torch.Tensor] = field(default_factory=list)         # pieces of the [T] input ids
+    positions: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] positions
+    rows: list[torch.Tensor] = field(default_factory=list)        # per canvas: flat view rows
+    extra_rows: list[torch.Tensor | None] = field(default_factory=list)   # per item [E] or None
+    stat_rows: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] bool
+    edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
 
 
 class _Stats:
@@ -35,32 +55,50 @@ class ModelRunner:
         self.model, self.backend, self.cache = model, backend, cache
         self.shift = model.spec.logit_shift
 
-    def _layout(self, out: SchedulerOutput):
-        seqs, ids, positions, rows, stat_rows = [], [], [], [], []
+    def _layout(self, out: SchedulerOutput) -> _Layout:
+        lay = _Layout()
         offset = 0
         for item in out.items:
             n, w0 = item.window_len, item.window_start
             view = torch.arange(item.view_start, item.view_end)
             pred = (view - self.shift).clamp(min=0) - w0            # predictor rows, window-relative
             for c, canvas in enumerate(item.canvases):
-                seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if c == 0 else []))
-                ids.append(canvas.input_ids)
-                positions.append(torch.arange(w0, w0 + n))
-                rows.append(pred + offset)
-                offset += n
+                cond = c == 0
+                extra = item.extra.allowed if cond and item.extra is not None else None
+                lay.seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if cond else [],
+                                          extra_allowed=extra))
+                lay.ids.append(canvas.input_ids)
+                lay.positions.append(torch.arange(w0, w0 + n))
+                lay.rows.append(pred + offset)
+                if cond and item.embed_edit is not None:
+                    rel = item.embed_edit.positions - w0
+                    assert bool(((rel >= 0) & (rel < n)).all()), "embed edits outside the window"
+                    lay.edits.append((rel + offset, item.embed_edit))
                 # still-masked view rows (not seeds): whose attention defines downstream influence
                 pos = torch.arange(w0, w0 + n)
                 in_view = (pos >= item.view_start) & (pos < item.view_end)
                 masked = canvas.input_ids == self.model.spec.mask_token_id
                 masked[[s - w0 for s, _ in item.override]] = False
-                stat_rows.append(in_view & masked & (c == 0))
-        return seqs, torch.cat(ids), torch.cat(positions), rows, torch.cat(stat_rows)
+                lay.stat_rows.append(in_view & masked & cond)
+                offset += n
+        for item in out.items:                     # extra rows follow every window (attention)
+            if item.extra is None:
+                lay.extra_rows.append(None)
+                continue
+            e = item.extra.num_rows
+            lay.ids.append(item.extra.input_ids)
+            lay.positions.append(item.extra.positions)
+            lay.stat_rows.append(torch.zeros(e, dtype=torch.bool))
+            lay.extra_rows.append(torch.arange(offset, offset + e))
+            offset += e
+        return lay
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        seqs, ids, positions, rows, stat_rows = self._layout(out)
-        meta = build_metadata(seqs)
+        lay = self._layout(out)
+        ids, stat_rows = torch.cat(lay.ids), torch.cat(lay.stat_rows)
+        meta = build_metadata(lay.seqs)
         prepare_s = time.perf_counter() - start
         cache, backend = self.cache, self.backend
         stats = None
@@ -77,9 +115,13 @@ class ModelRunner:
             stats.attn_in = attention_in_mass(q, k_cache[meta.key_slots], meta, stats.rows)
             return o
 
-        hidden = self.model.forward_tokens(self.model.embed(ids), positions, attn)
-        logits = self.model.compute_logits(hidden[torch.cat(rows)]).float()
-        per_canvas = list(logits.split([r.numel() for r in rows]))
+        embeds = self.model.embed(ids)
+        if lay.edits:
+            embeds = apply_embed_edits(self.model.embed, embeds, lay.edits)
+        hidden = self.model.forward_tokens(embeds, torch.cat(lay.positions), attn)
+        extra_rows = [r for r in lay.extra_rows if r is not None]
+        logits = self.model.compute_logits(hidden[torch.cat(lay.rows + extra_rows)]).float()
+        per_canvas = list(logits.split([r.numel() for r in lay.rows + extra_rows]))
         results = []
         for item in out.items:
             cond = per_canvas.pop(0)
@@ -87,9 +129,13 @@ class ModelRunner:
                 uncond = per_canvas.pop(0)
                 cond = uncond + (item.cfg_scale + 1.0) * (cond - uncond)
             results.append(cond)
+        extra_logits = None
+        if extra_rows:                             # what is left: the extra rows, item order
+            extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
-            return ModelRunnerOutput(results, prepare_s=prepare_s)
-        return ModelRunnerOutput(results, *self._split_stats(out, stats), prepare_s=prepare_s)
+            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
+        return ModelRunnerOutput(results, *self._split_stats(out, stats), prepare_s=prepare_s,
+                                 extra_logits=extra_logits)
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
