@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 mkdir -p bench_out
 .venv/bin/cover-vllm eval --model cover-tiny --task all \
-    --decoding low_confidence,threshold,factor,saber,cover --tokens-per-step 1,2,4 \
+    --decoding low_confidence,threshold,factor,wino,saber,asrd,cover --tokens-per-step 1,2,4 \
     --num 200 --json bench_out/compare.json "$@"

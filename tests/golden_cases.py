@@ -59,3 +59,30 @@ def sampling_params(case: dict) -> SamplingParams:
                               decoding_params={"threshold": p["threshold"],
                                                "threshold_back": p["threshold_back"]})
     raise KeyError(f"no engine mapping for decoder {decoder!r} yet")
+
+
+def check_alone(llm, case: dict) -> list:
+    """Each prompt of `case` alone: tokens and NFE equal the reference's; returns the outputs."""
+    outs = []
+    for prompt, expect in zip(real_prompts(case), expected_tokens(case)):
+        (out,) = llm.generate([prompt], sampling_params(case), use_tqdm=False)
+        assert out.outputs[0].token_ids == expect
+        assert out.metrics.nfe == case["nfe"]
+        assert out.outputs[0].finish_reason == "length"
+        outs.append(out)
+    return outs
+
+
+def check_batched(llm, cases: list[dict]) -> list:
+    """Every prompt of every case in ONE generate call; tokens and NFE per request as alone."""
+    prompts, params, expect, nfe = [], [], [], []
+    for case in cases:
+        for prompt, tokens in zip(real_prompts(case), expected_tokens(case)):
+            prompts.append(prompt)
+            params.append(sampling_params(case))
+            expect.append(tokens)
+            nfe.append(case["nfe"])
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expect
+    assert [o.metrics.nfe for o in outs] == nfe
+    return outs

@@ -8,7 +8,8 @@ Dream/generation_utils.py `diffusion_generate` (`saber_dream`); the rule set fol
 import pytest
 
 from cover_vllm import LLM
-from golden_cases import GOLDEN, expected_tokens, load_cases, real_prompts, sampling_params
+from golden_cases import (GOLDEN, check_alone, check_batched, expected_tokens, load_cases,
+                          real_prompts, sampling_params)
 
 FAMILIES = {"llada": "saber_generate", "dream": "saber_dream"}
 CASES = [(family, case) for family, decoder in FAMILIES.items()
@@ -29,11 +30,7 @@ def test_every_saber_case_is_covered():
 
 @pytest.mark.parametrize("family,case", CASES, ids=IDS)
 def test_one_at_a_time(engines, family, case):
-    for prompt, expect in zip(real_prompts(case), expected_tokens(case)):
-        (out,) = engines[family].generate([prompt], sampling_params(case), use_tqdm=False)
-        assert out.outputs[0].token_ids == expect
-        assert out.metrics.nfe == case["nfe"]
-        assert out.outputs[0].finish_reason == "length"
+    for out in check_alone(engines[family], case):
         assert out.metrics.remasks > 0                       # backtracking goes through Decision
         assert out.metrics.flip_flops <= out.metrics.remasks
 
@@ -41,18 +38,7 @@ def test_one_at_a_time(engines, family, case):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cases_batched(engines, family):
     """Every case of a family in one call: different prompts, block lengths and step counts."""
-    prompts, params, expect, nfe = [], [], [], []
-    for fam, case in CASES:
-        if fam != family:
-            continue
-        for prompt, tokens in zip(real_prompts(case), expected_tokens(case)):
-            prompts.append(prompt)
-            params.append(sampling_params(case))
-            expect.append(tokens)
-            nfe.append(case["nfe"])
-    outs = engines[family].generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expect
-    assert [o.metrics.nfe for o in outs] == nfe
+    check_batched(engines[family], [case for fam, case in CASES if fam == family])
 
 
 @pytest.mark.parametrize("family,case", CASES[:1] + CASES[-1:], ids=IDS[:1] + IDS[-1:])

@@ -8,7 +8,8 @@ never cached, gives every revealed slot a leave-one-out score in the drafting fo
 import pytest
 
 from cover_vllm import LLM
-from golden_cases import GOLDEN, expected_tokens, load_cases, real_prompts, sampling_params
+from golden_cases import (GOLDEN, check_alone, check_batched, expected_tokens, load_cases,
+                          real_prompts, sampling_params)
 
 CASES = load_cases("llada", ("wino_decoding",))
 IDS = [case["name"] for case in CASES]
@@ -27,26 +28,14 @@ def test_every_wino_case_is_covered():
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_one_at_a_time(llm, case):
-    for prompt, expect in zip(real_prompts(case), expected_tokens(case)):
-        (out,) = llm.generate([prompt], sampling_params(case), use_tqdm=False)
-        assert out.outputs[0].token_ids == expect
-        assert out.metrics.nfe == case["nfe"]
+    for out in check_alone(llm, case):
         m = out.metrics
         assert m.seeds_verified == m.keeps + m.remasks and m.flip_flops <= m.remasks
 
 
 def test_cases_batched(llm):
     """Every case in one call: different prompts, block lengths and thresholds together."""
-    prompts, params, expect, nfe = [], [], [], []
-    for case in CASES:
-        for prompt, tokens in zip(real_prompts(case), expected_tokens(case)):
-            prompts.append(prompt)
-            params.append(sampling_params(case))
-            expect.append(tokens)
-            nfe.append(case["nfe"])
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expect
-    assert [o.metrics.nfe for o in outs] == nfe
+    outs = check_batched(llm, CASES)
     assert sum(o.metrics.remasks for o in outs) > 0          # Narrow-Out ran through Decision
 
 

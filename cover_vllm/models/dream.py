@@ -14,12 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, dense_forward
+from cover_vllm.models.base import ModelDims, dense_forward
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
-                                      SwiGLU)
+                                      StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
 
 
@@ -53,40 +51,22 @@ def dream_attention_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | 
     return m[:, None, :, None] & m[:, None, None, :]
 
 
-class DreamModel(nn.Module):
+class DreamModel(StackedLM):
     """`forward(input_ids, attention_mask)` is the dense oracle; the engine uses `forward_tokens`."""
 
     def __init__(self, spec: ModelSpec):
-        super().__init__()
         cfg = spec.hf_config
         if cfg.get("rope_scaling"):
             raise ValueError(f"Dream rope_scaling={cfg['rope_scaling']!r} is not supported "
                              "(only plain RoPE, rope_scaling null)")
-        self.spec, self.dims = spec, dream_dims(cfg)
-        d = self.dims
+        d = dream_dims(cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         layers = [DecoderLayer(SelfAttention(d, qkv_bias=True, o_bias=False),
                                SwiGLU(d.hidden_size, cfg["intermediate_size"]), eps)
                   for _ in range(d.num_layers)]
-        self.model = DecoderStack(d, layers, eps)
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0))
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
-
-    def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                       attn: AttentionFn) -> torch.Tensor:
-        """[T, hidden] at positions [T] -> [T, hidden] final hidden states."""
-        return self.model(inputs_embeds, positions, self.rope, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] raw, unshifted logits."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight)
+        super().__init__(spec, d, DecoderStack(d, layers, eps),
+                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0)),
+                         bool(cfg.get("tie_word_embeddings", False)))
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,8 @@ under different names) but uses the same RMSNorm and RotaryEmbedding.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,3 +143,35 @@ class DecoderStack(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, i, positions, rope, attn)
         return self.norm(x)
+
+
+class StackedLM(nn.Module, ABC):
+    """Shared glue of the HF-named families (Dream, LLaDA-MoE): a `model.` DecoderStack, an
+    optional untied `lm_head`, RoPE. Subclasses build the stack and define the dense `forward`
+    (their padding semantics differ)."""
+
+    def __init__(self, spec, dims: ModelDims, stack: DecoderStack, rope: RotaryEmbedding,
+                 tied: bool):
+        super().__init__()
+        self.spec, self.dims, self.model, self.rope, self.tied = spec, dims, stack, rope, tied
+        if not tied:
+            self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionFn) -> torch.Tensor:
+        """[T, hidden] at positions [T] -> [T, hidden] final hidden states."""
+        return self.model(inputs_embeds, positions, self.rope, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] raw (unshifted) logits."""
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense full-sequence logits [B, L, V]."""

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, dense_forward, key_padding_mask
+from cover_vllm.models.base import ModelDims, dense_forward, key_padding_mask
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
-                                      SwiGLU)
+                                      StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
 
 
@@ -112,11 +112,10 @@ def _decoder_layer(cfg: dict[str, Any], dims: ModelDims, is_moe: bool) -> Decode
                         SwiGLU(dims.hidden_size, shared) if shared else None)
 
 
-class LLaDAMoEModelLM(nn.Module):
+class LLaDAMoEModelLM(StackedLM):
     """`forward(input_ids, attention_mask)` is the dense oracle; the engine uses `forward_tokens`."""
 
     def __init__(self, spec: ModelSpec):
-        super().__init__()
         cfg = spec.hf_config
         if cfg.get("rope_scaling"):
             raise ValueError(f"LLaDA-MoE rope_scaling={cfg['rope_scaling']!r} is not supported "
@@ -125,29 +124,12 @@ class LLaDAMoEModelLM(nn.Module):
         if score != "softmax":
             raise ValueError(f"moe_router_score_function={score!r} is not supported; "
                              "only 'softmax'")
-        self.spec, self.dims = spec, llada_moe_dims(cfg)
-        d = self.dims
+        d = llada_moe_dims(cfg)
         layers = [_decoder_layer(cfg, d, is_moe) for is_moe in moe_layer_flags(cfg)]
-        self.model = DecoderStack(d, layers, cfg.get("rms_norm_eps", 1e-5))
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
         rotary_dim = int(d.head_dim * cfg.get("partial_rotary_factor", 1.0))
-        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 50000.0), rotary_dim)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
-
-    def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                       attn: AttentionFn) -> torch.Tensor:
-        """[T, hidden] at positions [T] -> [T, hidden] final hidden states."""
-        return self.model(inputs_embeds, positions, self.rope, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] raw logits."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight)
+        super().__init__(spec, d, DecoderStack(d, layers, cfg.get("rms_norm_eps", 1e-5)),
+                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 50000.0), rotary_dim),
+                         bool(cfg.get("tie_word_embeddings", False)))
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
