@@ -11,6 +11,7 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.engine.decide import run_strategies
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.engine.output_processor import OutputProcessor
+from cover_vllm.executor import make_executor
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
@@ -29,17 +30,6 @@ def _load_tokenizer(path):
     return load_tokenizer(path) if has_tokenizer(path) else None
 
 
-def _make_executor(config: EngineConfig, resolved, spec: ModelSpec):
-    backend = config.distributed_executor_backend
-    if config.tensor_parallel_size != 1 or backend in ("mp", "ray"):
-        raise NotImplementedError(
-            "tensor_parallel_size > 1 and the 'mp'/'ray' executors are not available yet; "
-            "use tensor_parallel_size=1 with distributed_executor_backend=None")
-    from cover_vllm.worker.worker import Worker
-
-    return Worker(config, resolved, spec)
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_model(config.model)
@@ -47,7 +37,7 @@ class Engine:
         self.spec = ModelSpec.from_config(resolved.config)
         strategy_class(config.decoding)                        # fail early on a bad default
         self.tokenizer = _load_tokenizer(resolved.path)
-        self.executor = _make_executor(config, resolved, self.spec)
+        self.executor = make_executor(config, resolved, self.spec)
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
@@ -153,9 +143,14 @@ class Engine:
         partial one whose text can never change: streaming sends only FINAL text)."""
         outputs = []
         for req in self.scheduler.update_from_output(out, decisions):
+            last = req.block_idx + 1 == len(req.blocks)
+            if req.strategy.revises_done_blocks and not last:
+                req.block_idx += 1                   # nothing is FINAL before the request ends
+                req.begin_block()
+                continue
             req.final_end = req.block[1]
             reason = self.outputs.check_stop(req)
-            if reason is None and req.block_idx + 1 == len(req.blocks):
+            if reason is None and last:
                 reason = "length"
             if reason is None:
                 req.block_idx += 1
@@ -170,3 +165,13 @@ class Engine:
     @property
     def num_free_pages(self) -> int:
         return self.pool.num_free
+
+    # ---- life cycle ------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise the executor's error (cover_vllm.executor.ExecutorError) if it can no longer
+        run forwards, e.g. a tensor-parallel worker died."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (idempotent; an in-process engine has none)."""
+        self.executor.shutdown()

@@ -1,4 +1,4 @@
-"""The `cover-vllm` command line: generate, eval, bench (also `python -m cover_vllm`)."""
+"""The `cover-vllm` command line: generate, eval, serve, bench (also `python -m cover_vllm`)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--decoding", default="threshold")
+    g.add_argument("--decoding", default="cover")
     g.add_argument("--decoding-params", type=_json_obj, default=None)
     g.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
     g.add_argument("--max-tokens", type=int, default=64)
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_common(lat)
     lat.add_argument("--repeats", type=int, default=3)
     lat.set_defaults(func=cmd_bench_latency)
+    from cover_vllm.entrypoints.serve_cli import add_serve_parsers
+
+    add_serve_parsers(sub, b)
     return parser
 
 

@@ -87,6 +87,8 @@ class Strategy(ABC):
     params_cls: ClassVar[type[StrategyParams]] = StrategyParams
     fixed_schedule: ClassVar[bool] = False   # True: `steps` budgets the steps of each block
     wants_stats: ClassVar[bool] = False      # True: StepBatch.drift / attn_in are filled
+    revises_done_blocks: ClassVar[bool] = False   # True: a finished block may still change, so
+                                                  # tokens are FINAL only when the request ends
 
     def __init__(self, params: StrategyParams, spec: ModelSpec):
         self.params, self.spec = params, spec

@@ -117,6 +117,7 @@ def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
 
 class Saber(Strategy):
     name = "saber"
+    revises_done_blocks = True        # backtracking reaches every slot up to the block end
     params_cls = SaberParams
 
     def __init__(self, params: SaberParams, spec: ModelSpec):

@@ -1,0 +1,66 @@
+"""The `cover-vllm serve` and `cover-vllm bench serve` subcommands (registered by cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cover_vllm.entrypoints.cli import _ints, _json_obj
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from cover_vllm.entrypoints.server import ServeArgs, run_server
+
+    run_server(ServeArgs(model=args.model, host=args.host, port=args.port,
+                         decoding=args.decoding, kv_cache=args.kv_cache,
+                         max_num_seqs=args.max_num_seqs, api_key=args.api_key,
+                         served_model_name=args.served_model_name, load_format=args.load_format,
+                         threads=args.threads, seed=args.seed))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from cover_vllm.benchmarks.serve import ServeBenchSpec, format_table, run_serve_bench
+
+    extra = {k: v for k, v in (("decoding", args.decoding), ("block_length", args.block_length),
+                               ("decoding_params", args.decoding_params)) if v is not None}
+    spec = ServeBenchSpec(url=args.url, concurrency=args.concurrency, duration_s=args.duration,
+                          max_tokens=args.max_tokens, model=args.model, api_key=args.api_key,
+                          prompts=tuple(args.prompt) if args.prompt else ServeBenchSpec.prompts,
+                          extra_body=tuple(extra.items()))
+    results = run_serve_bench(spec)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"spec": vars(args) | {"func": None},
+                       "results": [r.as_row() for r in results]}, f, indent=2, default=str)
+
+
+def add_serve_parsers(sub, bench) -> None:
+    """`serve` under the top-level subparsers `sub`, `serve` under `bench`'s subparsers."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
+    s.add_argument("model")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--decoding", default="cover", help="default strategy (per request: decoding)")
+    s.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--served-model-name", default=None, help="id in /v1/models (default: MODEL)")
+    s.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_serve)
+
+    v = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT per level")
+    v.add_argument("--url", default="http://127.0.0.1:8000")
+    v.add_argument("--concurrency", type=_ints, default=(1, 8, 64))
+    v.add_argument("--duration", type=float, default=30.0, help="seconds per concurrency level")
+    v.add_argument("--max-tokens", type=int, default=64)
+    v.add_argument("--model", default=None, help="default: the server's first model")
+    v.add_argument("--prompt", action="append", default=None, help="repeat for several prompts")
+    v.add_argument("--decoding", default=None)
+    v.add_argument("--block-length", type=int, default=None)
+    v.add_argument("--decoding-params", type=_json_obj, default=None)
+    v.add_argument("--api-key", default=None)
+    v.add_argument("--json", default=None)
+    v.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,196 @@
+"""The FastAPI app: routes, the API-key check, size-limited JSON bodies and OpenAI-style errors.
+
+`build_app(engine, ...)` wires one Engine (driven by an EngineLoop thread started with the app)
+to GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics.
+Every refused request gets a 4xx with an OpenAI error body; nothing a client sends can stop the
+server. Request semantics live in serving.py, field rules in protocol.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import random
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cover_vllm.engine.engine import Engine
+from cover_vllm.entrypoints.server import serving
+from cover_vllm.entrypoints.server.engine_loop import EngineLoop
+from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
+from cover_vllm.entrypoints.server.metrics import ServerMetrics
+from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 1 << 20          # 1 MiB
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object: 413 past `limit` bytes, 400 for non-UTF-8 or invalid JSON."""
+    too_big = APIError(f"request body exceeds the limit of {limit} bytes", status=413,
+                       code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"request body is not valid UTF-8 (bad byte at offset {exc.start})",
+                       code="invalid_encoding") from exc
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise APIError(f"request body must be a JSON object, got {type(obj).__name__}",
+                       code="invalid_json")
+    return obj
+
+
+def _parse(model: type[BaseModel], obj: dict) -> Any:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def _check_key(request: Request) -> None:
+    key = request.app.state.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError("Incorrect API key provided (send 'Authorization: Bearer <key>')",
+                       status=401, code="invalid_api_key")
+
+
+def _ctx(request: Request) -> serving.ServingContext:
+    return request.app.state.ctx
+
+
+async def list_models(request: Request) -> dict:
+    _check_key(request)
+    ctx = _ctx(request)
+    return {"object": "list", "data": [
+        {"id": ctx.model_name, "object": "model", "created": ctx.created,
+         "owned_by": "cover_vllm", "max_model_len": ctx.max_model_len}]}
+
+
+async def retrieve_model(request: Request, model: str) -> dict:
+    _check_key(request)
+    serving.check_model(_ctx(request), model)
+    return (await list_models(request))["data"][0]
+
+
+async def completions(request: Request):
+    _check_key(request)
+    req = _parse(CompletionRequest, await read_json(request, request.app.state.max_body_bytes))
+    return await serving.create_completion(_ctx(request), request, req)
+
+
+async def chat_completions(request: Request):
+    _check_key(request)
+    req = _parse(ChatRequest, await read_json(request, request.app.state.max_body_bytes))
+    return await serving.create_chat_completion(_ctx(request), request, req)
+
+
+async def health(request: Request) -> Response:
+    alive = _ctx(request).loop.is_alive
+    return JSONResponse({"status": "ok" if alive else "engine loop stopped"},
+                        status_code=200 if alive else 503)
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(f"{exc.detail}: {request.method} {request.url.path}",
+                                        status=exc.status_code, code=code))
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        return _error_response(APIError(f"invalid request: {first.get('msg', exc)}",
+                                        param=param))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(f"internal server error: {type(exc).__name__}",
+                                        status=500, type="server_error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def build_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` as `model_name` (default: the engine's model argument)."""
+    name = model_name or engine.config.model
+    stats = ServerMetrics(name)
+    loop = EngineLoop(engine, stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="cover_vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = serving.ServingContext(
+        loop=loop, model_name=name, tokenizer=_server_tokenizer(engine),
+        max_model_len=engine.spec.max_model_len, default_decoding=engine.config.decoding,
+        created=int(time.time()), seeds=random.Random(engine.config.seed))
+    app.state.metrics, app.state.api_key = stats, api_key
+    app.state.max_body_bytes, app.state.engine_loop = max_body_bytes, loop
+    _install_error_handlers(app)
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+def _server_tokenizer(engine: Engine):
+    """A second tokenizer instance for the event-loop thread (HF fast tokenizers are not safe to
+    share across threads), or None when the model has none."""
+    if engine.tokenizer is None:
+        return None
+    from cover_vllm.models.builtin import resolve_model
+    from cover_vllm.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(engine.config.model).path)

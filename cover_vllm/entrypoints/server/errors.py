@@ -1,0 +1,87 @@
+"""OpenAI-style API errors: the one exception the server raises for bad input, and its JSON body.
+
+Every rejected request gets `{"error": {"message", "type", "param", "code"}}` with a 4xx status
+naming the offending field; engine-side ValueError/TypeError messages are mapped to the field they
+name. Not a place for validation rules (those live in protocol.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import ValidationError
+
+# Fields an engine or SamplingParams message may name, most specific first.
+_FIELDS = ("decoding_params", "stop_token_ids", "max_tokens", "block_length", "temperature",
+           "top_p", "top_k", "steps", "seed", "stop", "decoding", "kv_cache", "ignore_eos",
+           "prompt_token_ids", "prompt", "messages")
+_FIELD_RE = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
+
+
+class APIError(Exception):
+    """A request the server refuses; rendered as an OpenAI error body with `status`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.code, self.type = code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def server_error(message: str) -> APIError:
+    """The engine failed on this one request (the server keeps serving)."""
+    return APIError(message, status=500, type="server_error", code="engine_error")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _loc(loc: tuple) -> str:
+    """Dotted field path without pydantic's union-member tags ('stop.str' -> 'stop')."""
+    parts = []
+    for p in loc:
+        text = str(p)
+        if text in _TYPE_TAGS or "[" in text or text.startswith("function-"):
+            break
+        parts.append(text)
+    return ".".join(parts)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as an APIError whose param is the field's dotted path."""
+    err = exc.errors(include_url=False)[0]
+    param = _loc(err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        message = f"unknown or unsupported field '{param}'"
+    elif err["type"] == "missing":
+        message = f"'{param}' is a required field"
+    else:
+        msg = err["msg"].removeprefix("Value error, ")
+        message = f"'{param}': {msg}" if param else msg
+        if err["type"] not in ("value_error", "assertion_error") and "input" in err:
+            message += f" (got {_short(err['input'])})"
+    return APIError(message, param=param, code=err["type"])
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def from_value_error(exc: Exception, default_param: str | None = None) -> APIError:
+    """A ValueError/TypeError from SamplingParams, a strategy or the engine, as a 400."""
+    message = str(exc).replace("SamplingParams.", "")
+    found = _FIELD_RE.search(message)
+    param = found.group(1) if found else default_param
+    if param == "prompt_token_ids":
+        param = "prompt"
+    return APIError(message, param=param, code="invalid_value")
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(f"The model `{name}` does not exist.", param="model", status=404,
+                    code="model_not_found")

@@ -1,0 +1,86 @@
+"""ServerMetrics: the Prometheus series behind GET /metrics, in a registry owned by one server.
+
+Counters are bumped by the engine thread when a request finishes, fails or is aborted; gauges
+(running / waiting requests, KV pages) are snapshots it publishes after every step and command.
+NFE per token is derived at scrape time from the two counters, so it is the all-time ratio.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from cover_vllm.outputs import RequestOutput
+
+PREFIX = "cover_vllm_"
+
+
+class _RatioCollector:
+    """Exposes nfe_per_token = nfe_total / generation_tokens_total at scrape time."""
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        nfe, decoded = self.metrics.nfe_sum, self.metrics.decoded_sum
+        family = GaugeMetricFamily(PREFIX + "nfe_per_token",
+                                   "Model forwards per decoded token over all finished requests")
+        family.add_metric([], nfe / decoded if decoded else 0.0)
+        yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.nfe_sum = 0      # plain totals for the ratio (written by the engine thread only)
+        self.decoded_sum = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "Requests that ended, by outcome",
+                                ["outcome"], registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests holding KV pages",
+                             registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Accepted requests not yet running",
+                             registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens of "
+                                         "finished requests", registry=r)
+        self.decoded_tokens = Counter(PREFIX + "decoded_tokens", "Generation slots decoded "
+                                      "(EOS padding included)", registry=r)
+        self.nfe = Counter(PREFIX + "nfe", "Model forwards summed over finished requests",
+                           registry=r)
+        self.remasks = Counter(PREFIX + "remasks", "Committed tokens turned back into [MASK]",
+                               registry=r)
+        self.flip_flops = Counter(PREFIX + "flip_flops", "Remasks whose next commit wrote the "
+                                  "same token again", registry=r)
+        self.kv_pages_used = Gauge(PREFIX + "kv_pages_used", "KV cache pages in use", registry=r)
+        self.kv_pages_total = Gauge(PREFIX + "kv_pages_total", "KV cache pages in the pool",
+                                    registry=r)
+        self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
+        self.info.labels(model=model_name).set(1)
+        r.register(_RatioCollector(self))
+
+    def on_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.requests.labels(outcome=out.outputs[0].finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.outputs[0].token_ids))
+        self.decoded_tokens.inc(m.decoded_tokens)
+        self.nfe.inc(m.nfe)
+        self.nfe_sum += m.nfe
+        self.decoded_sum += m.decoded_tokens
+        self.remasks.inc(m.remasks)
+        self.flip_flops.inc(m.flip_flops)
+
+    def on_outcome(self, outcome: str) -> None:
+        """A request that ended without output: 'abort' (client gone) or 'error'."""
+        self.requests.labels(outcome=outcome).inc()
+
+    def publish(self, running: int, waiting: int, pages_used: int, pages_total: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_pages_used.set(pages_used)
+        self.kv_pages_total.set(pages_total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,214 @@
+"""Request bodies of /v1/completions and /v1/chat/completions (pydantic) and their SamplingParams.
+
+Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo such as `decodng`
+is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (n > 1,
+echo, logprobs, penalties, best_of, suffix) are accepted only at their neutral value. Limits that
+need the model (prompt + max_tokens <= max length) are checked in serving.py after tokenising.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.strategies import STRATEGIES
+
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 256
+DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
+DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _neutral(value: Any, neutral: tuple, what: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{what} is not supported by this server (got {value!r})")
+    return value
+
+
+class SamplingFields(_Strict):
+    """Fields shared by both routes: OpenAI's sampling knobs plus the diffusion extras."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    # diffusion extras (extra_body= in the openai client)
+    decoding: str | None = None
+    block_length: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1)
+    kv_cache: Literal["none", "prefix", "dual"] | None = None
+    decoding_params: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        items = [value] if isinstance(value, str) else (value or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value):
+        return _neutral(value, (None, 1), "n > 1 (several choices per prompt)")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, value):
+        return _neutral(value, (None, 0, 0.0), "a non-zero penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        return _neutral(value or None, (None,), "logit_bias")
+
+    @field_validator("decoding")
+    @classmethod
+    def _decoding(cls, value):
+        if value is not None and value not in STRATEGIES:
+            raise ValueError(f"unknown decoding strategy {value!r}; valid: {sorted(STRATEGIES)}")
+        return value
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises ValueError/TypeError naming the field (mapped to a 400 by the caller)."""
+        return SamplingParams(
+            max_tokens=max_tokens, block_length=self.block_length, steps=self.steps,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def normalize_prompt(value: Any) -> list[str | list[int]]:
+    """A completion prompt as a list of strings / token-id lists (one engine request each)."""
+    shape = ("prompt must be a non-empty string, a list of strings, a list of token ids or a "
+             "list of token-id lists")
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        prompts = value
+    else:
+        raise ValueError(shape)
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+    for p in prompts:
+        if isinstance(p, list) and not all(_is_int(t) for t in p):
+            raise ValueError(shape)
+        if not p:
+            raise ValueError("prompt is empty")
+    return prompts
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    max_tokens: int | None = Field(None, ge=1)
+    echo: bool | None = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        return normalize_prompt(value)
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value):
+        return _neutral(value, (None, False), "echo=true")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value):
+        return _neutral(value, (None, 1), "best_of > 1")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        return _neutral(value, (None, 0), "logprobs")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value):
+        return _neutral(value or None, (None,), "suffix")
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        return _content_text(value)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        return _neutral(value, (None, False), "logprobs")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value):
+        return _neutral(value, (None, 0), "top_logprobs")
+
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]

@@ -1,0 +1,262 @@
+"""Completions and chat: a parsed request -> engine submissions -> an OpenAI JSON body or SSE.
+
+Streams carry only text that can no longer change (a partial output's stable text, then the
+finished text) as deltas, so a streamed answer is never retracted and its concatenation equals
+the non-streamed text. A client that disconnects or cancels gets its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cover_vllm.entrypoints.server.engine_loop import (EngineLoop, EngineRequestError,
+                                                       RequestStream, Submission)
+from cover_vllm.entrypoints.server.errors import (APIError, from_value_error, model_not_found,
+                                                  server_error)
+from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest, SamplingFields
+from cover_vllm.outputs import RequestOutput
+from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.strategies import make_params, strategy_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingContext:
+    """What the routes need besides the engine thread (never the engine itself)."""
+
+    loop: EngineLoop
+    model_name: str
+    tokenizer: Any | None          # the server's own copy (the engine thread uses the engine's)
+    max_model_len: int
+    default_decoding: str
+    created: int
+    seeds: random.Random           # server-drawn seeds for requests that give none
+
+
+def check_model(ctx: ServingContext, name: str | None) -> None:
+    if name is not None and name != ctx.model_name:
+        raise model_not_found(name)
+
+
+def tokenize(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if ctx.tokenizer is None:
+        raise APIError("this model has no tokenizer: send the prompt as token ids",
+                       param="prompt", code="no_tokenizer")
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
+    if not ids:
+        raise APIError("prompt tokenizes to nothing", param="prompt", code="invalid_value")
+    return ids
+
+
+def chat_prompt(ctx: ServingContext, req: ChatRequest) -> list[int]:
+    from cover_vllm.tokenizer import apply_chat_template
+
+    if ctx.tokenizer is None:
+        raise APIError("this model has no tokenizer, so it has no chat template",
+                       param="messages", code="no_chat_template")
+    try:
+        return apply_chat_template(ctx.tokenizer, req.conversation())
+    except Exception as exc:      # jinja errors, a template that refuses a role, ...
+        raise APIError(f"the chat template rejected the messages: {exc}", param="messages",
+                       code="invalid_value") from exc
+
+
+def sampling_params(ctx: ServingContext, req: SamplingFields, prompts: list[list[int]],
+                    max_tokens: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt; every seed fixed here so a replay is exact."""
+    longest = max(len(ids) for ids in prompts)
+    if longest + max_tokens > ctx.max_model_len:
+        raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens; "
+                       f"the prompt has {longest} tokens and max_tokens is {max_tokens} "
+                       f"({longest + max_tokens} in total). Lower max_tokens or the prompt.",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        params = req.sampling_params(max_tokens)
+        make_params(params.decoding or ctx.default_decoding, params.decoding_params)
+    except (ValueError, TypeError) as exc:
+        raise from_value_error(exc, default_param="decoding_params") from exc
+    if params.seed is not None:
+        return [params] * len(prompts)
+    return [dataclasses.replace(params, seed=ctx.seeds.getrandbits(63)) for _ in prompts]
+
+
+def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
+    """False for strategies that may still revise a finished block (Saber): the engine emits
+    no partial outputs for them, and only their finished text is streamed."""
+    return not strategy_class(params.decoding or ctx.default_decoding).revises_done_blocks
+
+
+async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams]) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            streams.append(await ctx.loop.submit(Submission(f"{base_id}-{i}", ids, p)))
+    except BaseException as exc:
+        for s in streams:
+            ctx.loop.abort(s.request_id)
+        if isinstance(exc, (ValueError, TypeError)):
+            raise from_value_error(exc, default_param="prompt") from exc
+        if isinstance(exc, Exception):
+            raise server_error(f"the engine refused the request: {exc}") from exc
+        raise
+    return streams
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    while True:
+        out = await stream.get()
+        if out.finished:
+            return out
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(ctx: ServingContext, streams: list[RequestStream],
+                  request: Request) -> list[RequestOutput] | None:
+    """Every stream's finished output, or None when the client went away first (aborted)."""
+    results = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({results, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if results in done:
+            try:
+                return results.result()
+            except EngineRequestError as exc:
+                raise server_error(str(exc)) from exc
+        return None
+    finally:
+        watch.cancel()
+        ok = results.done() and not results.cancelled() and results.exception() is None
+        if not ok:
+            results.cancel()
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())
+            for s in streams:
+                ctx.loop.abort(s.request_id)
+
+
+async def merged_deltas(streams: list[RequestStream], partial: bool
+                        ) -> AsyncIterator[tuple[int, str, RequestOutput]]:
+    """(prompt index, new stable text, output) as outputs arrive from any stream."""
+    sent = [""] * len(streams)
+    pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                out = task.result()
+                text, delta = out.outputs[0].text, ""
+                if (partial or out.finished) and len(text) > len(sent[i]):
+                    if text.startswith(sent[i]):
+                        delta, sent[i] = text[len(sent[i]):], text
+                    else:
+                        logger.warning("request %s: text changed after it was streamed",
+                                       out.request_id)
+                yield i, delta, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[i].get())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _choice(chat: bool, index: int, out: RequestOutput) -> dict:
+    c = out.outputs[0]
+    body = ({"message": {"role": "assistant", "content": c.text}} if chat
+            else {"text": c.text, "logprobs": None})
+    return {"index": index, **body, "finish_reason": c.finish_reason,
+            "metrics": out.metrics.as_dict()}
+
+
+def _chunk_choice(chat: bool, index: int, delta: str | None, finish: str | None,
+                  first: bool) -> dict:
+    if not chat:
+        return {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    content = {"role": "assistant", "content": delta or ""} if first else (
+        {"content": delta} if delta else {})
+    return {"index": index, "delta": content, "finish_reason": finish}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _event_stream(ctx: ServingContext, head: dict, streams: list[RequestStream],
+                        req: SamplingFields, chat: bool) -> AsyncIterator[str]:
+    partial = streams_partial(ctx, streams[0].submission.params)
+    started, finished, outs = set(), set(), []
+    try:
+        async for i, delta, out in merged_deltas(streams, partial):
+            first = i not in started
+            started.add(i)
+            if delta or (chat and first):
+                yield _sse({**head, "choices": [_chunk_choice(chat, i, delta, None, first)]})
+            if out.finished:
+                finished.add(i)
+                outs.append(out)
+                yield _sse({**head, "choices": [_chunk_choice(chat, i, "", out.outputs[0]
+                                                                .finish_reason, False)]})
+        if req.include_usage():
+            yield _sse({**head, "choices": [], "usage": usage(outs)})
+    except EngineRequestError as exc:
+        yield _sse(server_error(str(exc)).body())
+    finally:
+        for i, s in enumerate(streams):
+            if i not in finished:
+                ctx.loop.abort(s.request_id)
+    yield "data: [DONE]\n\n"
+
+
+async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
+                   prompts: list[list[int]], chat: bool):
+    params = sampling_params(ctx, req, prompts, req.max_new_tokens())
+    base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    streams = await submit_all(ctx, base_id, prompts, params)
+    head = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": ctx.model_name}
+    if req.stream:
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        return StreamingResponse(_event_stream(ctx, head, streams, req, chat),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    outs = await collect(ctx, streams, request)
+    if outs is None:                  # the client is gone; nobody reads this
+        return JSONResponse({"error": "client disconnected"}, status_code=499)
+    return JSONResponse({**head, "choices": [_choice(chat, i, o) for i, o in enumerate(outs)],
+                         "usage": usage(outs)})
+
+
+async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
+    check_model(ctx, req.model)
+    prompts = [tokenize(ctx, p) for p in req.prompt]
+    return await _respond(ctx, request, req, prompts, chat=False)
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request, req: ChatRequest):
+    check_model(ctx, req.model)
+    return await _respond(ctx, request, req, [chat_prompt(ctx, req)], chat=True)
