@@ -28,6 +28,7 @@ class EngineConfig:
     cache_refresh_interval: int | None = None   # None: refresh at block starts; N: every N steps
     num_threads: int | None = None      # torch intra-op threads (None: torch's default)
     device: str = "cpu"
+    distributed_timeout_s: float = 60.0   # tensor parallelism: max wait on a collective / reply
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -47,6 +48,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be > 0 (or None for the default)")
         if self.cache_refresh_interval is not None and self.cache_refresh_interval <= 0:
             raise ValueError("cache_refresh_interval must be >= 1 or None")
+        if isinstance(self.distributed_timeout_s, bool) or not isinstance(
+                self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got "
+                             f"{self.distributed_timeout_s!r}")
         if not isinstance(self.seed, int):
             raise TypeError("seed must be an int")
 

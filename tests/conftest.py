@@ -23,3 +23,15 @@ def llada_dir() -> str:
 @pytest.fixture(scope="session")
 def dream_dir() -> str:
     return DREAM_DIR
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One small local Ray instance for every `ray` test (skips them when ray is missing)."""
+    ray = pytest.importorskip("ray")
+    from cover_vllm.executor.ray_ranks import ensure_ray
+
+    started = ensure_ray(num_cpus=2)
+    yield ray
+    if started and ray.is_initialized():
+        ray.shutdown()

@@ -1,6 +1,8 @@
-"""Worker: owns the model weights, the KV cache and the model runner on one device."""
+"""Worker: owns the model weights, the KV cache and the model runner on one device (one rank)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,18 +15,38 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
+if TYPE_CHECKING:
+    from cover_vllm.distributed.tensor_parallel import TensorParallel
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank `rank`: "cuda" becomes "cuda:<rank mod visible>" (a
+    Ray actor sees only its own GPU); any other device string is used as given."""
+    if device != "cuda":
+        return device
+    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+
 
 class Worker:
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec):
+    """With `tp` (tensor parallelism) the loaded model is sliced to this rank's shard and the
+    cache holds only this rank's kv heads; the page count is the same on every rank (and as
+    with tensor_parallel_size=1): the KV budget is for the whole model, split over the ranks."""
+
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec,
+                 tp: TensorParallel | None = None):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        device = rank_device(config.device, tp.rank if tp is not None else 0)
         dtype = resolve_dtype(config.dtype, spec, config.device)
         self.model = model = instantiate(resolved, spec, dtype, config.load_format, config.seed,
-                                         config.device)
-        per_token = kv_bytes_per_token(model.dims, dtype)
+                                         device)
+        per_token = kv_bytes_per_token(model.dims, dtype)       # whole model, all kv heads
+        if tp is not None:
+            tp.shard(model)                                     # model.dims: local heads now
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)
         num_pages = max(1, budget // (per_token * config.page_size))
-        self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, config.device)
+        self.tp = tp
+        self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device)
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache)
 
     @property
@@ -32,4 +54,11 @@ class Worker:
         return self.cache.num_pages
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(out)
+        result = self.runner.execute_model(out)
+        return result if self.tp is None else self.tp.reduce_stats(result)
+
+    def check_health(self) -> None:
+        """In-process: nothing can die independently of the engine."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process (the executor protocol, executor/base.py)."""

@@ -1,0 +1,105 @@
+"""EngineReplica: one whole Engine inside a Ray actor, stepped by its own thread (data parallelism).
+
+The router (engine/dp_router.py) calls `add_request` / `abort` and long-polls `poll`; the actor is
+threaded (Ray `max_concurrency` > 1) so a blocking `poll` never holds up an `add_request`. One
+lock guards the engine: the stepping thread holds it for a step, callers for an add or abort.
+If a step raises, every request of this replica fails with the error text (a step is one batch,
+so the culprit cannot be told apart) and the replica carries on with new requests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.engine.engine import Engine
+from cover_vllm.outputs import RequestOutput
+from cover_vllm.sampling_params import SamplingParams
+
+# one poll result: [(request_id, RequestOutput | error text)], and the replica's load gauges
+PollResult = tuple[list[tuple[str, Any]], dict[str, int]]
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig, index: int):
+        self.index = index
+        self.engine = Engine(config)
+        self._cond = threading.Condition()
+        self._outbox: list[tuple[str, RequestOutput | str]] = []
+        self._live: set[str] = set()       # request ids added and not finished / aborted / failed
+        self._served = 0                   # requests finished by this replica
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"dp-replica-{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def ready(self) -> dict[str, int]:
+        return {"index": self.index, "pid": os.getpid(), "num_pages": self.engine.pool.num_pages}
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        """Raises what Engine.add_request raises (ValueError / TypeError for bad input)."""
+        with self._cond:
+            self.engine.add_request(request_id, prompt, params)
+            self._live.add(request_id)
+            self._cond.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if request_id in self._live:
+                self._live.discard(request_id)
+                self.engine.abort_request(request_id)
+
+    def poll(self, timeout_s: float) -> PollResult:
+        """Outputs since the last poll (waits up to `timeout_s` for one) and the load gauges."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._outbox or self._stopped, timeout_s)
+            items, self._outbox = self._outbox, []
+            return items, self._gauges()
+
+    def _gauges(self) -> dict[str, int]:
+        sched, pool = self.engine.scheduler, self.engine.pool
+        return {"running": len(sched.running), "waiting": len(sched.waiting),
+                "pages_used": pool.num_used, "pages_total": pool.num_pages,
+                "served": self._served}
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"index": self.index, "pid": os.getpid(), **self._gauges()}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(30.0)
+        self.engine.shutdown()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self.engine.has_unfinished_requests())
+                if self._stopped:
+                    return
+                self._step()
+                self._cond.notify_all()
+            time.sleep(0)                  # let a waiting add / abort / poll take the lock
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            error = f"replica {self.index}: engine step failed: {type(exc).__name__}: {exc}"
+            for request_id in sorted(self._live):
+                self.engine.abort_request(request_id)
+                self._outbox.append((request_id, error))
+            self._live.clear()
+            return
+        for out in outputs:
+            if out.request_id not in self._live:
+                continue
+            self._outbox.append((out.request_id, out))
+            if out.finished:
+                self._live.discard(out.request_id)
+                self._served += 1

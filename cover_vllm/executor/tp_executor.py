@@ -1,0 +1,122 @@
+"""TPExecutor: one tensor-parallel group; rank 0 (the driver) runs in the engine process.
+
+Each step the driver sends the SchedulerOutput to ranks 1..N-1 (a control message through the
+RemoteRanks transport), runs its own shard of the same forward — the row-parallel all-reduces
+through torch.distributed keep the ranks in lock-step — then collects the ranks' empty replies.
+Only the driver's logits are used: the strategy runs once, in the engine process, and its
+decision reaches the ranks inside the next SchedulerOutput.
+
+Failure handling: any error in a step (a dead rank closes its sockets, so the driver's pending
+all-reduce fails at once; a hung rank trips the collective or reply timeout) is diagnosed
+(which rank, its pid, exit code or traceback), every remote rank is stopped, and the executor
+turns dead: this step and every later call raise the same `WorkerDiedError` / `ExecutorError`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.distributed.comm import GroupComm
+from cover_vllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
+from cover_vllm.executor.base import ExecutorError, RemoteRankError, RemoteRanks, WorkerDiedError
+from cover_vllm.models.builtin import ResolvedModel
+from cover_vllm.models.loader import build_model
+from cover_vllm.models.spec import ModelSpec
+from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.worker.model_runner import ModelRunnerOutput
+from cover_vllm.worker.worker import Worker
+
+STARTUP_TIMEOUT_S = 600.0     # loading a large checkpoint on every rank can take minutes
+DIAGNOSE_GRACE_S = 5.0        # how long a failed step waits to learn which rank went away
+
+
+class TPExecutor:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec,
+                 ranks: RemoteRanks):
+        world = config.tensor_parallel_size
+        check_tensor_parallel(build_model(spec, device="meta"), world)   # before any process
+        self.world_size, self.timeout_s = world, config.distributed_timeout_s
+        self.ranks = ranks
+        self._error: ExecutorError | None = None
+        self._closed = False
+        self.comm = GroupComm(0, world, config.device, self.timeout_s)
+        self._finalizer = weakref.finalize(self, _stop, ranks, self.comm)   # also at exit
+        try:
+            ranks.start(config, world)          # ranks load their shards while the driver does
+            self.driver = Worker(config, resolved, spec, TensorParallel(0, world, self.comm))
+            infos = self._startup(ranks.call("info"), "start")
+            ranks.pids = [info["pid"] for info in infos]
+            pages = {info["num_pages"] for info in infos} | {self.driver.num_pages}
+            if len(pages) != 1:
+                raise ExecutorError(f"tensor-parallel ranks sized different KV pools: {pages}")
+            port = self.comm.serve_store(ranks.host)
+            pending = ranks.call("connect", ranks.host, port)
+            self.comm.connect(ranks.host, port)
+            self._startup(pending, "join the process group", self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _startup(self, pending, what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> list:
+        try:
+            return self.ranks.wait(pending, timeout_s)
+        except RemoteRankError as err:
+            raise RuntimeError(f"tensor-parallel worker failed to {what}: "
+                               f"{err.describe()}") from None
+
+    @property
+    def model(self):
+        """The driver's model (rank 0's shard: local head counts in `model.dims`)."""
+        return self.driver.model
+
+    @property
+    def num_pages(self) -> int:
+        return self.driver.num_pages
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_health()
+        pending = None
+        try:
+            pending = self.ranks.call("execute_model", out)
+            result = self.driver.execute_model(out)
+            self.ranks.wait(pending, self.timeout_s)
+        except Exception as exc:
+            raise self._fail(exc, pending) from exc
+        return result
+
+    def _fail(self, exc: Exception, pending) -> ExecutorError:
+        culprits = [exc] if isinstance(exc, RemoteRankError) else []
+        if not culprits and pending is not None:
+            culprits = self.ranks.diagnose(pending, DIAGNOSE_GRACE_S)
+        if culprits:
+            what = "; ".join(c.describe() for c in culprits)
+            died = any(c.died for c in culprits)
+            cls = WorkerDiedError if died else ExecutorError
+            err = cls(f"tensor-parallel worker {what}. In-flight requests cannot finish; "
+                      "create a new LLM/engine.")
+        else:       # the driver raised, or a rank hangs (the collective timed out)
+            err = ExecutorError(f"tensor-parallel step failed: {type(exc).__name__}: {exc} "
+                                f"(no remote rank reported a failure within "
+                                f"{DIAGNOSE_GRACE_S:g} s; rank pids {self.ranks.pids}). "
+                                "Create a new LLM/engine.")
+        self._error = err
+        self.shutdown()
+        return err
+
+    def check_health(self) -> None:
+        """Raise the error that killed this executor (or ExecutorError after shutdown)."""
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ExecutorError("the tensor-parallel executor was shut down")
+
+    def shutdown(self) -> None:
+        """Stop every remote rank and close the process group; idempotent."""
+        self._closed = True
+        self._finalizer()
+
+
+def _stop(ranks: RemoteRanks, comm: GroupComm) -> None:
+    ranks.shutdown()
+    comm.close()
