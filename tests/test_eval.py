@@ -1,0 +1,64 @@
+"""`cover-vllm eval` on the shipped cover-tiny: its accuracy agrees with an independent check."""
+
+import json
+
+import pytest
+
+from cover_vllm import LLM
+from cover_vllm.entrypoints.cli import main
+from cover_vllm.eval import evaluate_one
+from cover_vllm.tasks import get_task
+
+
+def _independent_sudoku_ok(prompt: str, text: str) -> bool:
+    """Written here, not imported: 4 rows of 4 digits, givens kept, rows/cols/boxes a permutation."""
+    rows = text.strip().split("\n")
+    givens = prompt.split("\n")[1:]
+    if len(rows) != 4 or any(len(r) != 4 or not set(r) <= set("1234") for r in rows):
+        return False
+    if any(g != "_" and g != c for grow, row in zip(givens, rows) for g, c in zip(grow, row)):
+        return False
+    cols = ["".join(r[c] for r in rows) for c in range(4)]
+    boxes = ["".join(rows[r][c] for r in (br, br + 1) for c in (bc, bc + 1))
+             for br in (0, 2) for bc in (0, 2)]
+    return all(sorted(u) == list("1234") for u in rows + cols + boxes)
+
+
+@pytest.mark.parametrize("decoding,k", [("low_confidence", 4), ("cover", None)])
+def test_eval_accuracy_matches_an_independent_verifier(decoding, k):
+    task = get_task("sudoku4")
+    examples = task.eval_split(24)
+    llm = LLM("cover-tiny")
+    row, outs = evaluate_one(llm, task, examples, decoding, k, None, use_tqdm=False)
+    independent = [_independent_sudoku_ok(ex.prompt, o.outputs[0].text)
+                   for ex, o in zip(examples, outs)]
+    assert row.accuracy == sum(independent) / len(independent)
+    assert row.num == 24 and row.nfe > 0
+
+
+def test_eval_cli_writes_the_documented_json(tmp_path, capsys):
+    path = tmp_path / "eval.json"
+    code = main(["eval", "--model", "cover-tiny", "--task", "word", "--decoding",
+                 "low_confidence,cover", "--num", "8", "--json", str(path), "--no-tqdm"])
+    assert code == 0
+    rows = json.loads(path.read_text())
+    assert [r["decoding"] for r in rows] == ["low_confidence", "cover"]
+    for r in rows:
+        assert {"task", "decoding", "num", "accuracy", "nfe", "nfe_per_token", "tokens_per_step",
+                "tokens_per_s", "remasks", "flip_flops"} <= set(r)
+        assert r["task"] == "word" and r["num"] == 8
+    assert "| word | cover |" in capsys.readouterr().out
+
+
+def test_eval_cli_rejects_unknown_names(capsys):
+    assert main(["eval", "--task", "nope", "--num", "1"]) == 2
+    assert "valid tasks" in capsys.readouterr().err
+    assert main(["eval", "--task", "word", "--decoding", "greedy", "--num", "1"]) == 2
+    assert "valid" in capsys.readouterr().err
+
+
+def test_cover_tiny_loads_without_network_and_generates():
+    llm = LLM("cover-tiny")
+    (out,) = llm.chat([{"role": "user", "content": "Sudoku:\n1423\n32_1\n_13_\n_3__"}],
+                      use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text
