@@ -214,3 +214,19 @@ def test_seeded_sampling_is_reproducible(llada_dir):
                           use_tqdm=False)[0].outputs[0].token_ids
     assert a == b and a != greedy
     assert torch.tensor(a).lt(300).all()
+
+
+@pytest.mark.parametrize("decoding", ["low_confidence", "threshold", "cover", "saber", "wino"])
+def test_mask_is_never_proposed_even_when_it_is_the_argmax(llada_dir, decoding):
+    """A model whose favourite token is [MASK] must still finish (no endless block)."""
+    llm = LLM(llada_dir, decoding=decoding)
+    model = llm.engine.executor.model
+    with torch.no_grad():
+        model.model.transformer.ff_out.weight[llm.engine.spec.mask_token_id] = \
+            model.model.transformer.ff_out.weight.abs().max(dim=0).values * 50
+        canvas = torch.tensor([[1, 2, 3] + [llm.engine.spec.mask_token_id] * 16])
+        assert (model(canvas).argmax(-1) == llm.engine.spec.mask_token_id).float().mean() > 0.5
+    (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, block_length=8,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 16
+    assert llm.engine.spec.mask_token_id not in out.outputs[0].token_ids

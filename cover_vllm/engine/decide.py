@@ -69,8 +69,10 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         tokens.append(req.canvas[item.view_start:item.view_end])
     params = [r.params for r in reqs]
     extra = _extras(extra_logits)
+    padded = _pad_stack(logits, width, 0.0)
+    padded[..., reqs[0].mask_id] = float("-inf")   # [MASK] is never a proposal (else: no progress)
     return StepBatch(
-        logits=_pad_stack(logits, width, 0.0), tokens=_pad_stack(tokens, width, reqs[0].mask_id),
+        logits=padded, tokens=_pad_stack(tokens, width, reqs[0].mask_id),
         valid=valid, in_block=in_block, is_gen=is_gen, states=[r.state for r in reqs],
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
