@@ -4,7 +4,9 @@ The router (engine/dp_router.py) calls `add_request` / `abort` and long-polls `p
 threaded (Ray `max_concurrency` > 1) so a blocking `poll` never holds up an `add_request`. One
 lock guards the engine: the stepping thread holds it for a step, callers for an add or abort.
 If a step raises, every request of this replica fails with the error text (a step is one batch,
-so the culprit cannot be told apart) and the replica carries on with new requests.
+so the culprit cannot be told apart) and the replica carries on with new requests, unless its
+engine is dead (Engine.check_health raises: a tensor-parallel worker died): then it refuses new
+requests and its gauges carry `fatal` (the error), on which the router retires it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class EngineReplica:
         self._live: set[str] = set()       # request ids added and not finished / aborted / failed
         self._served = 0                   # requests finished by this replica
         self._stopped = False
+        self._fatal: str | None = None     # set once the engine can no longer run forwards
         self._thread = threading.Thread(target=self._run, name=f"dp-replica-{index}",
                                         daemon=True)
         self._thread.start()
@@ -42,6 +45,8 @@ class EngineReplica:
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
         """Raises what Engine.add_request raises (ValueError / TypeError for bad input)."""
         with self._cond:
+            if self._fatal is not None:
+                raise RuntimeError(self._fatal)
             self.engine.add_request(request_id, prompt, params)
             self._live.add(request_id)
             self._cond.notify_all()
@@ -63,7 +68,7 @@ class EngineReplica:
         sched, pool = self.engine.scheduler, self.engine.pool
         return {"running": len(sched.running), "waiting": len(sched.waiting),
                 "pages_used": pool.num_used, "pages_total": pool.num_pages,
-                "served": self._served}
+                "served": self._served, "fatal": self._fatal}
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -95,6 +100,10 @@ class EngineReplica:
                 self.engine.abort_request(request_id)
                 self._outbox.append((request_id, error))
             self._live.clear()
+            try:
+                self.engine.check_health()
+            except Exception as dead:
+                self._fatal = f"replica {self.index}: its engine is dead: {dead}"
             return
         for out in outputs:
             if out.request_id not in self._live:

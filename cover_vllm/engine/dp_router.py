@@ -11,8 +11,9 @@ A request goes to the live replica with the fewest requests in flight (ties: low
 stays there. One asyncio task per replica long-polls it for outputs and routes them to the
 streams. `stream.get()` raises `error_cls` (pass the server's EngineRequestError) when the
 request failed in its replica's step, or when its replica died (noticed by the poll within
-`poll_s`); new requests then go to the surviving replicas. Validation errors of
-Engine.add_request (ValueError / TypeError) are raised by `submit` unchanged.
+`poll_s`) or reported its engine dead (a tensor-parallel worker died); new requests then go to
+the surviving replicas. Validation errors of Engine.add_request (ValueError / TypeError) are
+raised by `submit` unchanged.
 """
 
 from __future__ import annotations
@@ -181,6 +182,9 @@ class DPRouter:
             replica.gauges = gauges
             for request_id, item in items:
                 self._route(replica, request_id, item)
+            if gauges.get("fatal"):                          # its engine died (a TP worker)
+                self._replica_died(replica, RuntimeError(gauges["fatal"]))
+                replica.actor.shutdown.remote()              # stop what is left of it
             self._publish()
 
     def _route(self, replica: _Replica, request_id: str, item: RequestOutput | str) -> None:

@@ -8,14 +8,30 @@ import json
 from cover_vllm.entrypoints.cli import _ints, _json_obj
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
-    from cover_vllm.entrypoints.server import ServeArgs, run_server
+def serve_args(args: argparse.Namespace):
+    """The ServeArgs of a parsed `cover-vllm serve` command line."""
+    from cover_vllm.entrypoints.server import ServeArgs
 
-    run_server(ServeArgs(model=args.model, host=args.host, port=args.port,
-                         decoding=args.decoding, kv_cache=args.kv_cache,
-                         max_num_seqs=args.max_num_seqs, api_key=args.api_key,
-                         served_model_name=args.served_model_name, load_format=args.load_format,
-                         threads=args.threads, seed=args.seed))
+    return ServeArgs(model=args.model, host=args.host, port=args.port, decoding=args.decoding,
+                     kv_cache=args.kv_cache, max_num_seqs=args.max_num_seqs,
+                     api_key=args.api_key, served_model_name=args.served_model_name,
+                     load_format=args.load_format, threads=args.threads, seed=args.seed,
+                     tensor_parallel_size=args.tensor_parallel_size,
+                     distributed_executor_backend=args.distributed_executor_backend,
+                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from cover_vllm.entrypoints.server import run_server
+
+    run_server(serve_args(args))
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
@@ -49,6 +65,15 @@ def add_serve_parsers(sub, bench) -> None:
     s.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+                   help="shard each engine's model over N worker processes")
+    s.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="how tensor-parallel workers run (default: mp)")
+    s.add_argument("--data-parallel-size", "-dp", type=_positive, default=1,
+                   help="serve N whole engine replicas (Ray actors), least-loaded routing")
+    s.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: RAY_ADDRESS, else start a small "
+                        "local one); used by --data-parallel-size > 1 and the ray backend")
     s.set_defaults(func=cmd_serve)
 
     v = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT per level")

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, the API-key check, size-limited JSON bodies and OpenAI-style errors.
 
-`build_app(engine, ...)` wires one Engine (driven by an EngineLoop thread started with the app)
-to GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics.
+`build_app(engine, ...)` wires one Engine (driven by an EngineLoop thread started with the app),
+or with `data_parallel_size` > 1 a DPRouter over that many engine replicas (Ray actors), to
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics.
 Every refused request gets a 4xx with an OpenAI error body; nothing a client sends can stop the
 server. Request semantics live in serving.py, field rules in protocol.py.
 """
@@ -22,12 +23,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server import serving
-from cover_vllm.entrypoints.server.engine_loop import EngineLoop
+from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestError
 from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
+from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20          # 1 MiB
@@ -111,10 +115,23 @@ async def chat_completions(request: Request):
     return await serving.create_chat_completion(_ctx(request), request, req)
 
 
+def health_problem(loop: Any) -> str | None:
+    """None when every engine can serve; else why not (a dead TP worker or DP replica)."""
+    if isinstance(loop, EngineLoop):
+        return loop.health()
+    if not loop.is_alive:
+        return "no data-parallel engine replica is alive"
+    dead = [str(c["index"]) for c in loop.replica_counts() if not c["alive"]]
+    if dead:
+        return f"data-parallel replica {', '.join(dead)} died (the others still serve)"
+    return None
+
+
 async def health(request: Request) -> Response:
-    alive = _ctx(request).loop.is_alive
-    return JSONResponse({"status": "ok" if alive else "engine loop stopped"},
-                        status_code=200 if alive else 503)
+    problem = health_problem(_ctx(request).loop)
+    if problem is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
 
 
 async def metrics(request: Request) -> Response:
@@ -153,12 +170,33 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def build_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """An app serving `engine` as `model_name` (default: the engine's model argument)."""
-    name = model_name or engine.config.model
+def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
+              api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              data_parallel_size: int = 1) -> FastAPI:
+    """An app serving `engine` as `model_name` (default: the engine's model argument).
+
+    `engine` may be an EngineConfig (the engine is built here); with `data_parallel_size` > 1
+    it must be one, and each of the replicas (Ray actors behind a DPRouter) builds its own.
+    """
+    config = engine if isinstance(engine, EngineConfig) else engine.config
+    name = model_name or config.model
     stats = ServerMetrics(name)
-    loop = EngineLoop(engine, stats)
+    if data_parallel_size > 1:
+        if not isinstance(engine, EngineConfig):
+            raise TypeError("data_parallel_size > 1 needs an EngineConfig, not an Engine: "
+                            "every replica builds its own engine")
+        from cover_vllm.engine.dp_router import DPRouter
+
+        max_model_len = ModelSpec.from_config(resolve_model(config.model).config).max_model_len
+        tokenizer = _server_tokenizer(config.model)   # before the replicas: fail early
+        loop: EngineLoop | DPRouter = DPRouter(config, data_parallel_size,
+                                               error_cls=EngineRequestError, metrics=stats)
+        stats.watch_replicas(loop.replica_counts)
+    else:
+        if isinstance(engine, EngineConfig):
+            engine = Engine(engine)
+        max_model_len, tokenizer = engine.spec.max_model_len, _server_tokenizer(config.model)
+        loop = EngineLoop(engine, stats)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -170,9 +208,9 @@ def build_app(engine: Engine, model_name: str | None = None, api_key: str | None
 
     app = FastAPI(title="cover_vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = serving.ServingContext(
-        loop=loop, model_name=name, tokenizer=_server_tokenizer(engine),
-        max_model_len=engine.spec.max_model_len, default_decoding=engine.config.decoding,
-        created=int(time.time()), seeds=random.Random(engine.config.seed))
+        loop=loop, model_name=name, tokenizer=tokenizer, max_model_len=max_model_len,
+        default_decoding=config.decoding, created=int(time.time()),
+        seeds=random.Random(config.seed))
     app.state.metrics, app.state.api_key = stats, api_key
     app.state.max_body_bytes, app.state.engine_loop = max_body_bytes, loop
     _install_error_handlers(app)
@@ -185,12 +223,10 @@ def build_app(engine: Engine, model_name: str | None = None, api_key: str | None
     return app
 
 
-def _server_tokenizer(engine: Engine):
-    """A second tokenizer instance for the event-loop thread (HF fast tokenizers are not safe to
-    share across threads), or None when the model has none."""
-    if engine.tokenizer is None:
-        return None
-    from cover_vllm.models.builtin import resolve_model
-    from cover_vllm.tokenizer import load_tokenizer
+def _server_tokenizer(model: str):
+    """The event-loop thread's own tokenizer (HF fast tokenizers are not safe to share across
+    threads, and a data-parallel server has no local engine), or None when the model has none."""
+    from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
 
-    return load_tokenizer(resolve_model(engine.config.model).path)
+    path = resolve_model(model).path
+    return load_tokenizer(path) if path is not None and has_tokenizer(path) else None

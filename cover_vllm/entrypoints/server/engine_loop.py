@@ -10,6 +10,9 @@ cannot be pinned on one request directly. The failed batch is aborted and replay
 (bisection) while new arrivals wait; a request that fails alone gets the error, every other one
 finishes normally. Replays are exact (a request's tokens never depend on its batch, and the
 server fixes every seed at arrival) and the consumer skips text it has already streamed.
+An engine that can no longer run forwards (Engine.check_health raises: a tensor-parallel worker
+died) is not bisected: every request fails with its error at once, new ones are refused, and
+`health()` reports it.
 """
 
 from __future__ import annotations
@@ -104,12 +107,23 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.health() is None
+
+    def health(self) -> str | None:
+        """None while requests can be served, else why not."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine loop is not running"
+        try:
+            self.engine.check_health()           # reads a flag; safe from the event loop
+        except Exception as exc:
+            return f"the engine is dead: {type(exc).__name__}: {exc}"
+        return None
 
     async def submit(self, submission: Submission) -> RequestStream:
         """Queue a request; raises what Engine.add_request raised (bad input) if refused."""
-        if not self.is_alive:
-            raise EngineRequestError("the engine loop is not running")
+        problem = self.health()
+        if problem is not None:
+            raise EngineRequestError(problem)
         stream = RequestStream(submission, asyncio.get_running_loop())
         self._commands.put(("add", stream))
         try:
@@ -187,7 +201,8 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            self._isolate(exc)
+            dead = self.health() is not None     # then no request is to blame: fail them all
+            (self._fail_all if dead else self._isolate)(exc)
             return
         for out in outputs:
             stream = self._live.get(out.request_id)
@@ -205,13 +220,7 @@ class EngineLoop:
         logger.warning("engine step failed (%s: %s); replaying its batch in halves",
                        type(exc).__name__, exc)
         in_batch = {r.request_id for r in self.engine.scheduler.running}
-        streams = list(self._live.values())
-        for rid in list(self._live):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                logger.exception("engine loop: abort of %s failed", rid)
-        self._live.clear()
+        streams = self._abort_live()
         suspects = [s for s in streams if s.request_id in in_batch] or streams
         self._held.extendleft(reversed([s for s in streams if s not in suspects]))
         if len(suspects) == 1:
@@ -241,6 +250,25 @@ class EngineLoop:
             self._fail(stream, exc)
             return
         self._live[sub.request_id] = stream
+
+    def _fail_all(self, exc: Exception) -> None:
+        logger.error("the engine died (%s: %s); failing every request", type(exc).__name__, exc)
+        streams = [*self._abort_live(), *self._held, *(s for g in self._groups for s in g)]
+        self._held.clear(), self._groups.clear()
+        self._replaying = False
+        for stream in streams:
+            self._fail(stream, exc)
+
+    def _abort_live(self) -> list[RequestStream]:
+        """Abort every request in the engine; their streams."""
+        streams = list(self._live.values())
+        for rid in list(self._live):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("engine loop: abort of %s failed", rid)
+        self._live.clear()
+        return streams
 
     def _fail(self, stream: RequestStream, exc: Exception) -> None:
         stream.put(EngineRequestError(f"the engine failed on this request: "

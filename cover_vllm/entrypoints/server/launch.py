@@ -1,5 +1,10 @@
 """Starting the server: `cover-vllm serve` (uvicorn in the foreground) and `ServerThread` (uvicorn
-in a background thread on a free loopback port, for tests and notebooks)."""
+in a background thread on a free loopback port, for tests and notebooks).
+
+Parallelism: `tensor_parallel_size` / `distributed_executor_backend` go into the EngineConfig;
+`data_parallel_size` > 1 serves that many whole engines (Ray actors) behind a DPRouter, on the
+Ray cluster at `ray_address` when given, else on a small local Ray instance (RAY_ADDRESS is
+honoured too)."""
 
 from __future__ import annotations
 
@@ -29,22 +34,69 @@ class ServeArgs:
     seed: int = 0
     max_body_bytes: int = MAX_BODY_BYTES
     log_level: str = "info"
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    ray_address: str | None = None
+
+    @property
+    def needs_ray(self) -> bool:
+        return self.data_parallel_size > 1 or self.distributed_executor_backend == "ray"
+
+
+def make_config(args: ServeArgs) -> EngineConfig:
+    return EngineConfig(model=args.model, decoding=args.decoding, kv_cache=args.kv_cache,
+                        max_num_seqs=args.max_num_seqs, load_format=args.load_format,
+                        num_threads=args.threads, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        distributed_executor_backend=args.distributed_executor_backend)
 
 
 def make_engine(args: ServeArgs) -> Engine:
-    return Engine(EngineConfig(model=args.model, decoding=args.decoding, kv_cache=args.kv_cache,
-                               max_num_seqs=args.max_num_seqs, load_format=args.load_format,
-                               num_threads=args.threads, seed=args.seed))
+    return Engine(make_config(args))
+
+
+def make_app(args: ServeArgs):
+    """The app for `args`: one Engine, or a DPRouter over `data_parallel_size` replicas."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    config = make_config(args)                    # validates before any process starts
+    if args.ray_address is not None and not args.needs_ray:
+        logging.getLogger(__name__).warning(
+            "ray_address is ignored: nothing uses Ray without data_parallel_size > 1 or "
+            "distributed_executor_backend='ray'")
+    source = config if args.data_parallel_size > 1 else Engine(config)
+    return build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
+                     data_parallel_size=args.data_parallel_size)
+
+
+def connect_ray(args: ServeArgs) -> bool:
+    """Join the cluster at `args.ray_address` (when Ray is needed); True if connected here."""
+    if args.ray_address is None or not args.needs_ray:
+        return False
+    from cover_vllm.executor.ray_ranks import ray_module
+
+    ray = ray_module()
+    if ray.is_initialized():
+        return False
+    ray.init(address=args.ray_address, configure_logging=False)
+    return True
 
 
 def run_server(args: ServeArgs) -> None:
     """Serve until interrupted (Ctrl-C)."""
     import uvicorn
 
-    app = build_app(make_engine(args), args.served_model_name, args.api_key,
-                    args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    joined = connect_ray(args)
+    try:
+        app = make_app(args)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if joined:
+            import ray
+
+            ray.shutdown()                        # disconnects; the cluster keeps running
 
 
 class ServerThread:
@@ -54,11 +106,13 @@ class ServerThread:
     no race between finding a port and using it.
     """
 
-    def __init__(self, engine: Engine, model_name: str | None = None, api_key: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine | EngineConfig | None = None, model_name: str | None = None,
+                 api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, *,
+                 data_parallel_size: int = 1, app=None):
         import uvicorn
 
-        self.app = build_app(engine, model_name, api_key)
+        self.app = app if app is not None else build_app(
+            engine, model_name, api_key, data_parallel_size=data_parallel_size)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
@@ -69,6 +123,12 @@ class ServerThread:
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]}, daemon=True,
                                         name="cover-vllm-uvicorn")
+
+    @classmethod
+    def from_args(cls, args: ServeArgs) -> "ServerThread":
+        """What `cover-vllm serve` would build for `args`, on args.host and args.port (0: a
+        free port). Joining args.ray_address is the caller's business (see connect_ray)."""
+        return cls(host=args.host, port=args.port, app=make_app(args))
 
     @property
     def url(self) -> str:

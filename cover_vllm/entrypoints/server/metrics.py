@@ -3,12 +3,17 @@
 Counters are bumped by the engine thread when a request finishes, fails or is aborted; gauges
 (running / waiting requests, KV pages) are snapshots it publishes after every step and command.
 NFE per token is derived at scrape time from the two counters, so it is the all-time ratio.
+A data-parallel server adds per-replica series read from its router at scrape time:
+`cover_vllm_replica_requests_total{replica="i"}` (requests replica i finished) and
+`cover_vllm_replica_alive{replica="i"}`.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cover_vllm.outputs import RequestOutput
 
@@ -27,6 +32,25 @@ class _RatioCollector:
                                    "Model forwards per decoded token over all finished requests")
         family.add_metric([], nfe / decoded if decoded else 0.0)
         yield family
+
+
+class _ReplicaCollector:
+    """Per-replica series from a DPRouter's `replica_counts()` (read on the event loop, which
+    is where the router updates them, so a scrape sees a consistent snapshot)."""
+
+    def __init__(self, counts: Callable[[], list[dict[str, Any]]]):
+        self.counts = counts
+
+    def collect(self):
+        served = CounterMetricFamily(PREFIX + "replica_requests", "Requests finished, by "
+                                     "data-parallel replica", labels=["replica"])
+        alive = GaugeMetricFamily(PREFIX + "replica_alive", "1 while the data-parallel replica "
+                                  "serves, 0 once it died", labels=["replica"])
+        for c in self.counts():
+            served.add_metric([str(c["index"])], c["served"])
+            alive.add_metric([str(c["index"])], 1 if c["alive"] else 0)
+        yield served
+        yield alive
 
 
 class ServerMetrics:
@@ -59,6 +83,10 @@ class ServerMetrics:
         self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         r.register(_RatioCollector(self))
+
+    def watch_replicas(self, counts: Callable[[], list[dict[str, Any]]]) -> None:
+        """Expose per-replica series from `counts` (DPRouter.replica_counts) at scrape time."""
+        self.registry.register(_ReplicaCollector(counts))
 
     def on_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -15,7 +15,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,6 +29,9 @@ from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
 
+if TYPE_CHECKING:
+    from cover_vllm.engine.dp_router import DPRouter
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +39,7 @@ logger = logging.getLogger(__name__)
 class ServingContext:
     """What the routes need besides the engine thread (never the engine itself)."""
 
-    loop: EngineLoop
+    loop: EngineLoop | DPRouter    # same interface: start/stop/is_alive/submit/abort
     model_name: str
     tokenizer: Any | None          # the server's own copy (the engine thread uses the engine's)
     max_model_len: int
