@@ -241,3 +241,26 @@ def test_deleting_the_llm_stops_its_worker_processes():
     del llm
     gc.collect()
     _assert_gone(pids)
+
+
+def test_tp2_matches_tp1_on_cover_tiny_tasks():
+    """The shipped model on real task prompts: every strategy, TP=2 (mp) == TP=1, text too."""
+    from cover_vllm import SamplingParams
+    from cover_vllm.tasks import chat_prompt_ids, get_task
+
+    single = LLM("cover-tiny", num_threads=1)
+    sharded = LLM("cover-tiny", tensor_parallel_size=2, distributed_executor_backend="mp",
+                  num_threads=1)
+    try:
+        for task_name in ("sudoku4", "arith", "word"):
+            task = get_task(task_name)
+            prompts = [{"prompt_token_ids": chat_prompt_ids(single.tokenizer, ex.prompt)}
+                       for ex in task.eval_split(3)]
+            for name in STRATEGIES:
+                p = SamplingParams(max_tokens=task.max_tokens, block_length=task.block_length,
+                                   decoding=name, seed=0)
+                want = [o.outputs[0].text for o in single.generate(prompts, p, use_tqdm=False)]
+                got = [o.outputs[0].text for o in sharded.generate(prompts, p, use_tqdm=False)]
+                assert got == want, f"{name} on {task_name}"
+    finally:
+        sharded.shutdown()
