@@ -45,7 +45,7 @@ class EvalSpec:
     num: int = 200
     seed: int | None = None            # None: the task's fixed held-out split
     tokens_per_step: tuple[int, ...] = (1,)
-    kv_cache: str = "dual"
+    kv_cache: str = "none"
     decoding_params: tuple = ()        # ((name, {params}), ...)
     use_tqdm: bool = True
 

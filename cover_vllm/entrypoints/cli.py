@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num", type=int, default=200)
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
+    e.add_argument("--kv-cache", default="none", choices=["none", "prefix", "dual"],
+                   help="none (default) is exact; the tasks decode their answer as one block, "
+                   "so prefix/dual freeze the prompt K/V of a fully masked answer")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true")
     e.add_argument("--no-tqdm", action="store_true")

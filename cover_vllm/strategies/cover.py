@@ -42,10 +42,12 @@ class CoverParams(StrategyParams):
     k_max: int = 16
     max_verifications: int | None = 3     # a token verified this often is not picked again
     final_verify: bool = True             # block ends only when every draft was verified once
+    final_verify_below: float = 1.0       # ... every draft less sure than this (1.0: all)
     max_verify_steps: int = 4             # ... or after this many steps without masks left
 
     def __post_init__(self) -> None:
-        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low"):
+        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low",
+                     "final_verify_below"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"decoding_params.{name} must be in [0, 1]")
         if self.replace_threshold is not None and not 0.0 <= self.replace_threshold <= 1.0:
@@ -90,7 +92,7 @@ class Cover(Strategy):
         if not self.params.final_verify or self.params.k_max == 0 or mem.get("conf") is None:
             return True
         mem["verify_steps"] += 1
-        pending = (mem["checks"] == 0).any()
+        pending = ((mem["checks"] == 0) & (mem["conf"] < self.params.final_verify_below)).any()
         return not bool(pending) or mem["verify_steps"] > self.params.max_verify_steps
 
     def _memory(self, state: BlockState, length: int) -> dict:
@@ -120,7 +122,7 @@ class Cover(Strategy):
         if bool((block_tokens == self.spec.mask_token_id).any()):
             k = min(max(math.ceil(mem["rho"] * mem["drafted"]), p.k_min), p.k_max, num)
         else:                           # verification-only step: every never-checked token
-            unchecked = cand & (mem["checks"] == 0)
+            unchecked = cand & (mem["checks"] == 0) & (mem["conf"] < p.final_verify_below)
             score = score + unchecked.double() * 10.0
             k = min(max(int(unchecked.sum()), p.k_min), p.k_max, num)
         score = score.masked_fill(~cand, float("-inf"))
