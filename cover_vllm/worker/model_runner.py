@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
+from cover_vllm.attention.base import gather_pages
 from cover_vllm.scheduler.output import EmbedEdit, SchedulerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
@@ -112,7 +113,8 @@ class ModelRunner:
             old = k_cache[meta.write_slots]
             o = backend.forward(q, k, v, cache.layer(layer), meta)
             stats.drift[meta.write_index] = key_drift(k[meta.write_index], old)
-            stats.attn_in = attention_in_mass(q, k_cache[meta.key_slots], meta, stats.rows)
+            stats.attn_in = attention_in_mass(q, gather_pages(k_cache, meta.key_slots), meta,
+                                              stats.rows)
             return o
 
         embeds = self.model.embed(ids)
