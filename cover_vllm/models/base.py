@@ -85,3 +85,12 @@ def dense_forward(model: DiffusionLM, input_ids: torch.Tensor, positions: torch.
     attn = DenseAttention(b, n, allowed)
     hidden = model.forward_tokens(model.embed(input_ids.reshape(-1)), positions.reshape(-1), attn)
     return model.compute_logits(hidden).view(b, n, -1)
+
+
+def key_padding_forward(model: DiffusionLM, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """LLaDA-style dense forward (LLaDA, LLaDA-MoE): positions 0..L-1 even with left padding;
+    padded keys are hidden from every query, padded queries still attend to real keys."""
+    b, n = input_ids.shape
+    positions = torch.arange(n, device=input_ids.device).expand(b, n)
+    return dense_forward(model, input_ids, positions, key_padding_mask(attention_mask))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, dense_forward, key_padding_mask
+from cover_vllm.models.base import AttentionFn, ModelDims, key_padding_forward
 from cover_vllm.models.layers import RMSNorm, RotaryEmbedding
 from cover_vllm.models.spec import ModelSpec
 
@@ -95,8 +95,5 @@ class LLaDAModelLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V]. Positions are 0..L-1 even with left padding; padded keys are hidden
-        from every query, padded queries still attend to real keys (official behaviour)."""
-        b, n = input_ids.shape
-        positions = torch.arange(n, device=input_ids.device).expand(b, n)
-        return dense_forward(self, input_ids, positions, key_padding_mask(attention_mask))
+        """Logits [B, L, V] (padding semantics: `key_padding_forward`)."""
+        return key_padding_forward(self, input_ids, attention_mask)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import ModelDims, dense_forward, key_padding_mask
+from cover_vllm.models.base import ModelDims, key_padding_forward
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
@@ -133,8 +133,5 @@ class LLaDAMoEModelLM(StackedLM):
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V]. Positions are 0..L-1 even with left padding; padded keys are hidden
-        from every query, padded queries still attend to real keys (as LLaDA)."""
-        b, n = input_ids.shape
-        positions = torch.arange(n, device=input_ids.device).expand(b, n)
-        return dense_forward(self, input_ids, positions, key_padding_mask(attention_mask))
+        """Logits [B, L, V] (padding semantics: `key_padding_forward`)."""
+        return key_padding_forward(self, input_ids, attention_mask)
