@@ -85,7 +85,8 @@ def evaluate_one(llm: LLM, task: Task, examples: list[Example], decoding: str, k
     return row, outs
 
 
-def run_eval(spec: EvalSpec) -> list[EvalRow]:
+def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
+    """Every (task, decoding, k) row; `on_row(row)` is called as each one finishes."""
     params = dict(spec.decoding_params)
     for name in spec.decodings:
         strategy_class(name)                       # unknown names fail before any work
@@ -103,6 +104,8 @@ def run_eval(spec: EvalSpec) -> list[EvalRow]:
                 row, _ = evaluate_one(llm, task, examples, decoding, k, params.get(decoding),
                                       spec.use_tqdm)
                 rows.append(row)
+                if on_row is not None:
+                    on_row(row)
     return rows
 
 

@@ -24,16 +24,40 @@ def _independent_sudoku_ok(prompt: str, text: str) -> bool:
     return all(sorted(u) == list("1234") for u in rows + cols + boxes)
 
 
-@pytest.mark.parametrize("decoding,k", [("low_confidence", 4), ("cover", None)])
-def test_eval_accuracy_matches_an_independent_verifier(decoding, k):
-    task = get_task("sudoku4")
+def _independent_arith_ok(prompt: str, text: str) -> bool:
+    """Written here, not imported: the column lines add the right digits (either order) and
+    carries, and the last line is the sum."""
+    a, b = prompt.rstrip("=").split("+")
+    lines = text.strip().split("\n")
+    if len(lines) != 4 or lines[3] != f"={int(a) + int(b)}":
+        return False
+    carry = 0
+    for col, line in enumerate(lines[:3]):
+        ok = (len(line) == 8 and line[1] == "+" and line[3] == "+" and line[5] == "="
+              and sorted(line[0] + line[2]) == sorted(a[2 - col] + b[2 - col])
+              and line[4] == str(carry)
+              and line[6:].isdigit() and int(line[6:]) == int(line[0]) + int(line[2]) + carry)
+        if not ok:
+            return False
+        carry = int(line[6])
+    return True
+
+
+@pytest.mark.parametrize("task_name,decoding,k", [("sudoku4", "low_confidence", 4),
+                                                  ("sudoku4", "cover", None),
+                                                  ("arith", "low_confidence", 4),
+                                                  ("arith", "cover", None)])
+def test_eval_accuracy_matches_an_independent_verifier(task_name, decoding, k):
+    task = get_task(task_name)
     examples = task.eval_split(24)
     llm = LLM("cover-tiny")
     row, outs = evaluate_one(llm, task, examples, decoding, k, None, use_tqdm=False)
-    independent = [_independent_sudoku_ok(ex.prompt, o.outputs[0].text)
-                   for ex, o in zip(examples, outs)]
+    check = _independent_sudoku_ok if task_name == "sudoku4" else _independent_arith_ok
+    independent = [check(ex.prompt, o.outputs[0].text) for ex, o in zip(examples, outs)]
     assert row.accuracy == sum(independent) / len(independent)
     assert row.num == 24 and row.nfe > 0
+    if k == 4:                   # committing 4 tokens per step visibly fails on both tasks
+        assert row.accuracy < 0.9
 
 
 def test_eval_cli_writes_the_documented_json(tmp_path, capsys):

@@ -67,14 +67,24 @@ def test_sudoku_accepts_every_valid_solution_and_rejects_invalid_ones():
     assert not task.check("Sudoku:\n12", solution)                    # malformed prompt
 
 
-def test_arith_and_word_verifiers_check_the_final_number():
+def test_arith_verifier_checks_every_worked_step_in_either_digit_order():
     arith = get_task("arith")
     assert column_steps(347, 158, 3) == ["7+8+0=15", "4+5+1=10", "3+1+1=05", "=505"]
-    assert arith.check("347+158=", "7+8+0=15\n4+5+1=10\n3+1+1=05\n=505")
-    assert arith.check("347+158=", "=505<|endoftext|>")
-    assert not arith.check("347+158=", "7+8+0=15\n4+5+1=10\n3+1+1=05\n=504")
-    assert not arith.check("347+158=", "505")   # the worked form ends in "=total"
-    assert not arith.check("347+158", "=505")
+    orders = {tuple(column_steps(347, 158, 3, random.Random(seed))) for seed in range(40)}
+    assert len(orders) == 8                          # each line's two digits in either order
+    for lines in orders:
+        assert arith.check("347+158=", "\n".join(lines))
+    assert arith.check("347+158=", "8+7+0=15\n4+5+1=10\n1+3+1=05\n=505<|endoftext|>")
+    assert not arith.check("347+158=", "7+8+0=15\n4+5+1=10\n3+1+1=05\n=504")  # wrong sum
+    assert not arith.check("347+158=", "7+7+0=15\n4+5+1=10\n3+1+1=05\n=505")  # mixed orders
+    assert not arith.check("347+158=", "7+8+0=15\n4+5+0=09\n3+1+1=05\n=505")  # carry dropped
+    assert not arith.check("347+158=", "7+8+0=15\n4+5+1=10\n3+1+1=15\n=505")  # bad column
+    assert not arith.check("347+158=", "=505")       # the steps are part of the answer
+    assert not arith.check("347+158=", "505")
+    assert not arith.check("347+158", "7+8+0=15\n4+5+1=10\n3+1+1=05\n=505")
+
+
+def test_word_verifier_checks_the_final_number():
     word = get_task("word")
     prompt = ("Mia has 3 pens. She buys 5 more, then she gives 2 to Leo. "
               "How many pens does Mia have now?")

@@ -49,6 +49,7 @@ class AttentionMetadata:
     ov_row: torch.Tensor         # [S] flat token of its predictor row r
     ov_seq: torch.Tensor         # [S] sequence index
     ov_col: torch.Tensor         # [S] key column of s (= its canvas position)
+    ov_key: torch.Tensor         # [S] row of (ov_seq, ov_col) in the flattened [B * Kmax] keys
     ov_rows: torch.Tensor        # [R] distinct predictor rows (flat tokens)
     ov_inverse: torch.Tensor     # [S] index of each override's row in ov_rows
     num_overrides: int
@@ -109,7 +110,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         q_index=q_index.to(device), out_index=torch.cat(out_index).to(device),
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
-        ov_col=as_long(ov_col), ov_rows=ov_rows, ov_inverse=ov_inverse,
+        ov_col=as_long(ov_col), ov_key=as_long([i * k_max + c for i, c in zip(ov_seq, ov_col)]),
+        ov_rows=ov_rows, ov_inverse=ov_inverse,
         num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
         ex_allowed=ex_allowed.to(device))
 

@@ -39,3 +39,10 @@ def step_flops(dims: ModelDims, params_per_token: int, timing: dict) -> float:
     attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * timing["attn_pairs"]
     head = 2 * dims.hidden_size * dims.vocab_size * timing["logit_rows"]
     return linear + attention + head
+
+
+def dense_forward_flops(dims: ModelDims, params_per_token: int, length: int) -> float:
+    """Model FLOPs of one full forward over `length` tokens with logits on every row (what the
+    dense reference loop runs each step)."""
+    return step_flops(dims, params_per_token, {"num_tokens": length, "logit_rows": length,
+                                               "attn_pairs": length * length})

@@ -8,7 +8,7 @@ COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("num_p
            ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
            ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("remasks", "{:.2f}"),
            ("flip_flops", "{:.2f}"), ("peak_kv_pages", "{}"), ("overhead_fraction", "{:.1%}"),
-           ("mfu", "{:.1%}")]
+           ("mfu", "{:.1%}"), ("flop_ratio_vs_reference", "{:.2f}x")]
 
 
 def _cell(fmt: str, value) -> str:
@@ -25,7 +25,10 @@ def format_table(rows: list[dict]) -> str:
 def format_markdown(report: dict, command: str) -> str:
     m, ref = report["machine"], report["reference"]
     ref_line = ("reference loop (dense, no cache, batch 1, 1 token/step): "
-                f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s)"
+                f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s), "
+                f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%} "
+                "(`flop_ratio_vs_reference` is the speed-up a row would show at the reference's "
+                "MFU)"
                 if ref else "reference loop: not run")
     return "\n".join([
         f"# cover-vllm bench throughput: {report['model']}", "",

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from cover_vllm.benchmarks.machine import machine_info, matmul_params_per_token, step_flops
+from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info,
+                                            matmul_params_per_token, step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.reference_decode import reference_generate
@@ -62,6 +63,9 @@ class ThroughputRow:
     mfu: float                         # model FLOPs / time / measured matmul peak
     speedup_vs_reference: float | None
     seconds: float
+    gflops_per_token: float            # model FLOPs spent per useful token
+    flop_ratio_vs_reference: float | None   # reference GFLOP/token over this row's: the
+                                            # speed-up at equal MFU
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -111,7 +115,7 @@ class Workload:
         return len(ids) if cut is None else cut + 1
 
 
-def run_reference(llm: LLM, work: Workload, count: int) -> dict | None:
+def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float) -> dict | None:
     """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
     model = llm.engine.executor.model
     if count <= 0 or model.spec.logit_shift != 0:
@@ -123,11 +127,16 @@ def run_reference(llm: LLM, work: Workload, count: int) -> dict | None:
                                  work.output_len, model.spec.mask_token_id)
         tokens += work.useful_tokens(out)
     seconds = time.perf_counter() - start
+    per_token = matmul_params_per_token(model, model.dims)
+    flops = sum(work.output_len * dense_forward_flops(model.dims, per_token,
+                                                      len(ids) + work.output_len)
+                for ids in prompts)             # one full forward per step, output_len steps
     return {"tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
-            "tokens_per_step": 1.0}
+            "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
+            "mfu": flops / seconds / (peak_gflops * 1e9)}
 
 
-def _measure(llm: LLM, work: Workload, sp: SamplingParams, peak_gflops: float):
+def _measure(llm: LLM, work: Workload, sp: SamplingParams):
     engine = llm.engine
     llm.generate(work.prompts[:1], sp, use_tqdm=False)               # warm-up
     engine.pool.peak_used, engine.step_times = 0, []
@@ -140,7 +149,7 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams, peak_gflops: float):
                 for t in times)
     flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
     overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
-    return outs, seconds, overhead, flops / seconds / (peak_gflops * 1e9)
+    return outs, seconds, overhead, flops
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
@@ -154,16 +163,21 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                   max_num_seqs=bs, load_format=load_format, seed=spec.seed)
         work = Workload(spec, llm, spec.num_prompts or 2 * bs)
         if report["reference"] is None and spec.reference_prompts:
-            report["reference"] = run_reference(llm, work, spec.reference_prompts)
+            report["reference"] = run_reference(llm, work, spec.reference_prompts,
+                                                machine["matmul_gflops"])
             if report["reference"]:
-                log(f"  reference loop: {report['reference']['tokens_per_s']:.1f} tok/s")
+                log(f"  reference loop: {report['reference']['tokens_per_s']:.1f} tok/s  "
+                    f"MFU {report['reference']['mfu']:.0%}")
         ref = (report["reference"] or {}).get("tokens_per_s")
+        ref_gflops = (report["reference"] or {}).get("gflops_per_token")
         for decoding in spec.decodings:
             for kv in spec.kv_caches:
-                outs, seconds, overhead, mfu = _measure(
-                    llm, work, work.params(spec, decoding, kv), machine["matmul_gflops"])
+                outs, seconds, overhead, flops = _measure(llm, work,
+                                                          work.params(spec, decoding, kv))
                 ms = [o.metrics for o in outs]
                 tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
+                mfu = flops / seconds / (machine["matmul_gflops"] * 1e9)
+                gflops = flops / max(tokens, 1) / 1e9
                 lat = [m.latency_s for m in ms]
                 row = ThroughputRow(
                     decoding=decoding, kv_cache=kv, batch_size=bs, num_prompts=len(outs),
@@ -176,7 +190,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                     flip_flops=statistics.mean(m.flip_flops for m in ms),
                     peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
                     mfu=mfu, speedup_vs_reference=(tokens / seconds / ref) if ref else None,
-                    seconds=seconds)
+                    seconds=seconds, gflops_per_token=gflops,
+                    flop_ratio_vs_reference=(ref_gflops / gflops) if ref_gflops else None)
                 report["results"].append(asdict(row))
                 log(f"  {decoding:>15} {kv:>6} bs={bs:<3} {row.tokens_per_s:8.1f} tok/s  "
                     f"NFE/token {row.nfe_per_token:.3f}  overhead {overhead:.0%}  "

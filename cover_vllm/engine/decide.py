@@ -58,8 +58,8 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     tokens = []
     seeds = torch.zeros_like(valid)
     for i, (req, item) in enumerate(zip(reqs, items)):
-        for s in req.seeds:
-            seeds[i, s - item.view_start] = True
+        if req.seeds:
+            seeds[i, torch.tensor(req.seeds) - item.view_start] = True
         n = item.view_end - item.view_start
         pos = torch.arange(item.view_start, item.view_end)
         start, end = req.block

@@ -56,12 +56,23 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.list_tasks:
         print("\n".join(list_tasks()))
         return
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     tasks = list_tasks() if args.task == ("all",) else args.task
     params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
                     decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm)
-    rows = run_eval(spec)
+    def progress(row) -> None:
+        k = "" if row.k is None else f" k={row.k}"
+        print(f"[eval] {row.task} {row.decoding}{k}: accuracy {row.accuracy:.1%}, "
+              f"NFE {row.nfe:.1f}, {row.seconds:.0f}s", file=sys.stderr, flush=True)
+
+    rows = run_eval(spec, on_row=progress)
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
@@ -109,13 +120,21 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> None:
-    from cover_vllm.benchmarks.latency import format_latency, run_latency
+    from cover_vllm.benchmarks.latency import (format_latency, format_verification,
+                                               run_latency, run_verification_cost)
 
-    rows = run_latency(_bench_spec(args), repeats=args.repeats)
+    spec = _bench_spec(args)
+    rows = run_latency(spec, repeats=args.repeats)
     print(format_latency(rows))
+    verification = []
+    if "cover" in spec.decodings:
+        verification = run_verification_cost(spec, repeats=args.repeats)
+        print("\nCOVER verification over identical windows (recorded steps replayed with and "
+              "without their seeds):")
+        print(format_verification(verification))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"results": rows, "verification": verification}, f, indent=2)
 
 
 def _bench_common(p: argparse.ArgumentParser) -> None:
@@ -167,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "so prefix/dual freeze the prompt K/V of a fully masked answer")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; use 1 when other jobs share the cores)")
     e.add_argument("--no-tqdm", action="store_true")
     e.set_defaults(func=cmd_eval)
 

@@ -24,7 +24,7 @@ from cover_vllm.strategies.sampling import topk_mask
 
 @dataclass(frozen=True)
 class CoverParams(StrategyParams):
-    draft_threshold: float = 0.9          # τ_draft: commit masked positions at least this sure
+    draft_threshold: float = 0.97         # τ_draft: commit masked positions at least this sure
     max_draft: int | None = None          # B: cap on drafts per step (None: no cap)
     replace_threshold: float | None = None   # τ_rep (None: τ_draft)
     keep_min: float = 0.0                 # τ_keep_min: argmax agrees but less sure -> ReMask
@@ -41,15 +41,17 @@ class CoverParams(StrategyParams):
     k_min: int = 1
     k_max: int = 16
     max_verifications: int | None = 3     # a token verified this often is not picked again
-    final_verify: bool = True             # block ends only when every draft was verified once
-    final_verify_below: float = 1.0       # ... every draft less sure than this (1.0: all)
+    final_verify: bool = True             # block ends only when the drafts below were verified
+    final_verify_below: float | None = None   # ... drafts less sure than this (None: τ_draft,
+                                              # i.e. the forced ones; 1.0: every draft)
     max_verify_steps: int = 4             # ... or after this many steps without masks left
 
     def __post_init__(self) -> None:
-        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low",
-                     "final_verify_below"):
+        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"decoding_params.{name} must be in [0, 1]")
+        if self.final_verify_below is not None and not 0.0 <= self.final_verify_below <= 1.0:
+            raise ValueError("decoding_params.final_verify_below must be in [0, 1] or null")
         if self.replace_threshold is not None and not 0.0 <= self.replace_threshold <= 1.0:
             raise ValueError("decoding_params.replace_threshold must be in [0, 1] or null")
         if not 0 < self.rho_min <= self.rho_init <= self.rho_max:
@@ -64,10 +66,16 @@ class CoverParams(StrategyParams):
             raise ValueError("decoding_params score weights must be >= 0")
 
 
+# rows of a request's per-position memory [5, block length] (float64; counters hold integers)
+AGE, CHECKS, CONF, DRIFT, ATTN_IN = range(5)
+
+
 def _minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Min-max normalise x over mask (0 where the range is empty)."""
-    lo, hi = x[mask].min(), x[mask].max()
-    return (x - lo) / (hi - lo) if hi > lo else torch.zeros_like(x)
+    """Min-max normalise each row of x [F, L] over the columns in mask [L] (0 where a row's
+    range is empty)."""
+    lo = x.masked_fill(~mask, math.inf).amin(-1, keepdim=True)
+    span = x.masked_fill(~mask, -math.inf).amax(-1, keepdim=True) - lo
+    return torch.where(span > 0, (x - lo) / span, 0.0)
 
 
 class Cover(Strategy):
@@ -75,12 +83,18 @@ class Cover(Strategy):
     params_cls = CoverParams
 
     @property
+    def _verify_below(self) -> float:
+        """Drafts committed less sure than this must pass a check before their block ends."""
+        p = self.params
+        return p.draft_threshold if p.final_verify_below is None else p.final_verify_below
+
+    @property
     def wants_stats(self) -> bool:
         """Drift and attention in-mass are measured only when the score uses them."""
         return self.params.w_influence > 0 or self.params.w_drift > 0
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
-        state.extra.update(conf=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
+        state.extra.update(mem=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
 
     def block_done(self, state: BlockState, num_masked: int) -> bool:
         """Done when no [MASK] is left and every token was verified since its last commit
@@ -88,43 +102,44 @@ class Cover(Strategy):
         forward with them visible before their cached K/V can serve a leave-one-out check."""
         if num_masked > 0:
             return False
-        mem = state.extra
-        if not self.params.final_verify or self.params.k_max == 0 or mem.get("conf") is None:
+        extra, mem = state.extra, state.extra.get("mem")
+        if not self.params.final_verify or self.params.k_max == 0 or mem is None:
             return True
-        mem["verify_steps"] += 1
-        pending = ((mem["checks"] == 0) & (mem["conf"] < self.params.final_verify_below)).any()
-        return not bool(pending) or mem["verify_steps"] > self.params.max_verify_steps
+        extra["verify_steps"] += 1
+        pending = ((mem[CHECKS] == 0) & (mem[CONF] < self._verify_below)).any()
+        return not bool(pending) or extra["verify_steps"] > self.params.max_verify_steps
 
-    def _memory(self, state: BlockState, length: int) -> dict:
-        """Per-position memory of the current block, created on first use."""
-        if state.extra.get("conf") is None:
-            state.extra.update(conf=torch.zeros(length, dtype=torch.float64),
-                               age=torch.zeros(length, dtype=torch.long),
-                               drift=torch.zeros(length, dtype=torch.float64),
-                               attn_in=torch.zeros(length, dtype=torch.float64),
-                               checks=torch.zeros(length, dtype=torch.long))
-        return state.extra
+    @staticmethod
+    def _memory(state: BlockState, length: int) -> torch.Tensor:
+        """Per-position memory [5, length] of the current block (rows AGE..ATTN_IN), created on
+        first use."""
+        if state.extra.get("mem") is None:
+            state.extra["mem"] = torch.zeros(5, length, dtype=torch.float64)
+        return state.extra["mem"]
 
     # ---- before the forward ----------------------------------------------------------------
     def select_seeds(self, state: BlockState, block_tokens: torch.Tensor,
                      block_start: int) -> list[int]:
         p = self.params
-        mem = self._memory(state, block_tokens.numel())
-        cand = (block_tokens != self.spec.mask_token_id) & (mem["age"] >= 1)
+        mem, extra = self._memory(state, block_tokens.numel()), state.extra
+        cand = (block_tokens != self.spec.mask_token_id) & (mem[AGE] >= 1)
         if p.max_verifications is not None:
-            cand &= mem["checks"] < p.max_verifications
+            cand &= mem[CHECKS] < p.max_verifications
         num = int(cand.sum())
         if num == 0 or p.k_max == 0:
             return []
-        score = (p.w_uncertainty * _minmax(1.0 - mem["conf"], cand)
-                 + p.w_influence * _minmax(mem["attn_in"], cand)
-                 + p.w_drift * _minmax(mem["drift"], cand))
+        unchecked = None
         if bool((block_tokens == self.spec.mask_token_id).any()):
-            k = min(max(math.ceil(mem["rho"] * mem["drafted"]), p.k_min), p.k_max, num)
+            k = min(max(math.ceil(extra["rho"] * extra["drafted"]), p.k_min), p.k_max, num)
         else:                           # verification-only step: every never-checked token
-            unchecked = cand & (mem["checks"] == 0) & (mem["conf"] < p.final_verify_below)
-            score = score + unchecked.double() * 10.0
+            unchecked = cand & (mem[CHECKS] == 0) & (mem[CONF] < self._verify_below)
             k = min(max(int(unchecked.sum()), p.k_min), p.k_max, num)
+        if k == num:                    # every candidate: no ranking needed
+            return (block_start + cand.nonzero()[:, 0]).tolist()
+        u, d_in, drift = _minmax(torch.stack((1.0 - mem[CONF], mem[ATTN_IN], mem[DRIFT])), cand)
+        score = p.w_uncertainty * u + p.w_influence * d_in + p.w_drift * drift
+        if unchecked is not None:
+            score = score + unchecked.double() * 10.0
         score = score.masked_fill(~cand, float("-inf"))
         return (block_start + score.topk(k).indices.sort().values).tolist()
 
@@ -148,13 +163,15 @@ class Cover(Strategy):
         keep = seeds & agree & (p_own >= p.keep_min)
         replace = seeds & ~agree & (conf >= tau_rep)
         remask = seeds & ~keep & ~replace
-        # progress guard: at most (drafted - 1) remasks, the least likely own tokens first
-        no_masks = ~batch.candidates.any(-1)
-        allowed = torch.where(no_masks, remask.sum(-1), (draft.sum(-1) - 1).clamp(min=0))
-        guarded = topk_mask((-p_own).masked_fill(~remask, float("-inf")), allowed)
-        keep |= remask & ~guarded
-        remask = guarded
-        tokens = torch.where(replace, best, draft_tokens)
+        if bool(remask.any()):
+            # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks, the least
+            # likely own tokens first; the rest are kept. A verification-only step (no [MASK]
+            # left) drafts nothing, so it may keep or replace but never remask.
+            allowed = (draft.sum(-1) - 1).clamp(min=0)
+            guarded = topk_mask((-p_own).masked_fill(~remask, float("-inf")), allowed)
+            keep |= remask & ~guarded
+            remask = guarded
+        tokens = torch.where(replace, best, draft_tokens) if bool(replace.any()) else draft_tokens
         self._update_memory(batch, draft, keep, replace, remask, conf, p_own)
         return Decision(commit=draft, tokens=tokens, remask=remask, replace=replace,
                         keeps=keep.sum(-1), verified=seeds.sum(-1))
@@ -164,41 +181,33 @@ class Cover(Strategy):
         p = self.params
         blk = batch.in_block
         mems = [self._memory(st, int(n)) for st, n in zip(batch.states, blk.sum(-1))]
-
-        def stack(key: str, dtype) -> torch.Tensor:
-            out = torch.zeros(blk.shape, dtype=dtype)
-            for i, m in enumerate(mems):
-                out[i][blk[i]] = m[key].to(dtype)
-            return out
-
-        age, drift = stack("age", torch.long), stack("drift", torch.float64)
-        checks, last_conf = stack("checks", torch.long), stack("conf", torch.float64)
+        m = torch.zeros(blk.shape[0], 5, blk.shape[1], dtype=torch.float64)   # [n, 5, W]
+        for i, mem in enumerate(mems):
+            m[i][:, blk[i]] = mem
+        age, checks, last_conf, drift = m[:, AGE], m[:, CHECKS], m[:, CONF], m[:, DRIFT]
         seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
         visible = ~batch.masked & batch.valid & ~seeds
         if batch.drift is not None:
             seen = visible & (age >= 1)                 # the cached key was a visible version
             ema = p.drift_beta * drift + (1 - p.drift_beta) * batch.drift.double()
-            drift = torch.where(seen, ema, drift)
-        age = torch.where(visible, age + 1, age)
+            m[:, DRIFT] = torch.where(seen, ema, drift)
+        if batch.attn_in is not None:
+            m[:, ATTN_IN] = batch.attn_in
         fresh = draft | replace | remask
-        age, drift = age.masked_fill(fresh, 0), drift.masked_fill(fresh, 0.0)
-        checks = torch.where(fresh, 0, checks + seeds.long())
-        last_conf = torch.where(draft | replace, conf, last_conf)
-        last_conf = torch.where(keep, p_own, last_conf)
+        m[:, AGE] = torch.where(fresh, 0.0, age + visible.double())
+        m[:, DRIFT].masked_fill_(fresh, 0.0)
+        m[:, CHECKS] = torch.where(fresh, 0.0, checks + seeds.double())
+        m[:, CONF] = torch.where(keep, p_own, torch.where(draft | replace, conf, last_conf))
         num_seeds = seeds.sum(-1).tolist()
         hits = (replace | remask).sum(-1).tolist()
         drafted = draft.sum(-1).tolist()
-        attn_in = batch.attn_in.double() if batch.attn_in is not None else None
-        for i, m in enumerate(mems):
-            b = blk[i]
-            m["age"], m["drift"], m["checks"], m["conf"] = (
-                age[i][b], drift[i][b], checks[i][b], last_conf[i][b])
-            if attn_in is not None:
-                m["attn_in"] = attn_in[i][b]
+        for i, (mem, st) in enumerate(zip(mems, batch.states)):
+            mem.copy_(m[i][:, blk[i]])
+            extra = st.extra
             if num_seeds[i]:
                 hit = hits[i] / num_seeds[i]
                 if hit > p.hit_high:
-                    m["rho"] = min(m["rho"] * (1 + p.rho_eta), p.rho_max)
+                    extra["rho"] = min(extra["rho"] * (1 + p.rho_eta), p.rho_max)
                 elif hit < p.hit_low:
-                    m["rho"] = max(m["rho"] * (1 - p.rho_eta), p.rho_min)
-            m["drafted"] = drafted[i]
+                    extra["rho"] = max(extra["rho"] * (1 - p.rho_eta), p.rho_min)
+            extra["drafted"] = drafted[i]

@@ -29,13 +29,12 @@ def attention_in_mass(q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetada
 
     q [T, H, d]; keys [B, Kmax, Hkv, d] -> [B, Kmax], averaged over heads.
     """
-    num_heads = q.shape[1]
-    qp = q[meta.q_index].float()                                   # [B, Qmax, H, d]
-    kp = expand_kv_heads(keys, num_heads).float()                  # [B, Kmax, H, d]
-    scores = torch.einsum("bqhd,bkhd->bhqk", qp, kp) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~meta.key_valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    real = torch.zeros(meta.q_index.numel())                      # padded query rows excluded
-    real[meta.out_index] = 1.0
-    row_mask = rows[meta.q_index].float() * real.view_as(meta.q_index)   # [B, Qmax]
-    return torch.einsum("bhqk,bq->bk", probs, row_mask) / num_heads
+    (b, q_max), (num_heads, head_dim) = meta.q_index.shape, q.shape[1:]
+    qp = q.index_select(0, meta.q_index.flatten()).view(b, q_max, num_heads, head_dim)
+    scores = torch.matmul(qp.transpose(1, 2).float(),                       # [B, H, Qmax, Kmax]
+                          expand_kv_heads(keys, num_heads).permute(0, 2, 3, 1).float())
+    probs = torch.softmax(scores * head_dim ** -0.5 + meta.key_bias(torch.float32), dim=-1)
+    # weight 1/H for each selected real row (padded rows of the [B, Qmax] layout weigh 0)
+    weight = torch.zeros(b * q_max).index_copy_(
+        0, meta.out_index, rows[:meta.num_window_tokens].float() / num_heads)
+    return torch.matmul(weight.view(b, 1, 1, q_max), probs).sum(1)[:, 0]

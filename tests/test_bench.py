@@ -1,0 +1,75 @@
+"""`cover-vllm bench`: one command writes the table, the documented JSON, markdown and a PNG."""
+
+import json
+
+import pytest
+
+from cover_vllm.entrypoints.cli import main
+
+RESULT_KEYS = {"decoding", "kv_cache", "batch_size", "tokens_per_s", "requests_per_s",
+               "nfe_per_token", "speedup_vs_reference", "overhead_fraction", "mfu", "accuracy",
+               "tokens_per_step", "latency_mean_s", "latency_p50_s", "latency_p99_s", "remasks",
+               "flip_flops", "peak_kv_pages", "gflops_per_token", "flop_ratio_vs_reference"}
+
+
+def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
+    paths = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
+    code = main(["bench", "throughput", "--model", "cover-tiny", "--task", "word",
+                 "--decoding", "low_confidence,cover", "--kv-cache", "none,dual",
+                 "--batch-size", "2", "--num-prompts", "4", "--reference-prompts", "1",
+                 "--threads", "1", "--json", str(paths["json"]), "--markdown", str(paths["md"]),
+                 "--plot", str(paths["png"])])
+    assert code == 0
+    report = json.loads(paths["json"].read_text())
+    assert report["machine"]["cores"] >= 1 and report["machine"]["matmul_gflops"] > 0
+    ref = report["reference"]
+    assert ref["tokens_per_s"] > 0 and ref["gflops_per_token"] > 0 and 0 < ref["mfu"] < 2
+    rows = report["results"]
+    assert [(r["decoding"], r["kv_cache"]) for r in rows] == [
+        ("low_confidence", "none"), ("low_confidence", "dual"), ("cover", "none"),
+        ("cover", "dual")]
+    for r in rows:
+        assert RESULT_KEYS <= set(r)
+        assert r["batch_size"] == 2 and r["tokens_per_s"] > 0 and 0 <= r["accuracy"] <= 1
+        assert 0 <= r["overhead_fraction"] < 1 and r["mfu"] > 0
+        assert r["speedup_vs_reference"] > 0 and r["flop_ratio_vs_reference"] > 0
+        assert r["nfe_per_token"] > 0
+    # a cached window costs fewer FLOPs per token than the dense full-canvas reference forward
+    lowconf_none, lowconf_dual = rows[0], rows[1]
+    assert lowconf_dual["gflops_per_token"] < lowconf_none["gflops_per_token"]
+    table = capsys.readouterr().out
+    assert "| cover | dual | 2 |" in table and "flop_ratio_vs_reference" in table
+    markdown = paths["md"].read_text()
+    assert "reference loop" in markdown and "| low_confidence | none | 2 |" in markdown
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_bench_latency_reports_every_phase(tmp_path, capsys):
+    path = tmp_path / "latency.json"
+    code = main(["bench", "latency", "--model", "cover-tiny", "--task", "sudoku4",
+                 "--decoding", "threshold,cover", "--kv-cache", "dual", "--repeats", "2",
+                 "--threads", "1", "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    rows = report["results"]
+    assert [r["decoding"] for r in rows] == ["threshold", "cover"]
+    for r in rows:
+        phases = [r[f"{p}_ms"] for p in ("schedule", "prepare", "forward", "strategy", "update")]
+        assert all(t >= 0 for t in phases) and r["forward_ms"] > 0
+        assert abs(sum(phases) - r["step_ms"]) < 1e-6
+    assert rows[0]["vs_first"] == 1.0
+    (same_window,) = report["verification"]       # COVER's steps replayed without their seeds
+    assert same_window["kv_cache"] == "dual" and same_window["steps"] > 0
+    assert same_window["seeds_per_step"] >= 1 and same_window["forward_without_seeds_ms"] > 0
+    assert same_window["ratio"] == pytest.approx(
+        same_window["forward_ms"] / same_window["forward_without_seeds_ms"])
+    out = capsys.readouterr().out
+    assert "| cover | dual |" in out and "identical windows" in out
+
+
+def test_bench_rejects_unknown_names(capsys):
+    assert main(["bench", "throughput", "--model", "cover-tiny", "--decoding", "greedy"]) == 2
+    assert "decoding" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", "cover-tiny", "--kv-cache", "full"]) == 2
+    assert "kv_cache" in capsys.readouterr().err
