@@ -2,6 +2,12 @@
 
 Owns only text <-> ids at the edges of the engine; model facts (mask, EOS ids) live in ModelSpec.
 Nothing is downloaded: `transformers` is asked for local files only.
+
+A checkpoint whose tokenizer is a plain `PreTrainedTokenizerFast` over tokenizer.json (no custom
+class, no decode clean-up; cover-tiny, and what examples/train_cover_tiny.py writes) loads as a
+`LocalTokenizer` on the `tokenizers` library and jinja2 directly: importing `transformers` alone
+takes 1.5-4 s here, longer than loading the whole model. It gives the same ids and text as the
+Hugging Face class for everything the engine calls (tests/test_model_loading.py).
 """
 
 from __future__ import annotations
@@ -36,17 +42,116 @@ def _names_custom_class(path: Path) -> bool:
     return "AutoTokenizer" in json.loads(config_path.read_text()).get("auto_map", {})
 
 
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class LocalTokenizer:
+    """tokenizer.json + tokenizer_config.json without `transformers` (see the module docstring).
+
+    Implements the part of the Hugging Face tokenizer API the engine, server and tasks use:
+    `encode`, `decode`, `__call__`, `apply_chat_template`, `convert_tokens_to_ids`, the special
+    token strings and ids, `chat_template`, `name_or_path`.
+    """
+
+    def __init__(self, path: Path, config: dict):
+        from tokenizers import Tokenizer
+
+        self.name_or_path = str(path)
+        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        template = path / "chat_template.jinja"
+        self.chat_template = config.get("chat_template") or (
+            template.read_text() if template.is_file() else None)
+        for attr in _SPECIAL_ATTRS:
+            setattr(self, attr, _token_text(config.get(attr)))
+        self.additional_special_tokens = [_token_text(t) for t in
+                                          config.get("additional_special_tokens", [])]
+        names = [getattr(self, a) for a in _SPECIAL_ATTRS] + self.additional_special_tokens
+        self.all_special_ids = sorted({i for i in map(self._tok.token_to_id, filter(None, names))
+                                       if i is not None})
+        self._template = None
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.endswith("_token_id") and name[:-3] in _SPECIAL_ATTRS:
+            token = self.__dict__.get(name[:-3])
+            return None if token is None else self._tok.token_to_id(token)
+        raise AttributeError(name)
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+    def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True, **kwargs: Any) -> str | list[int]:
+        """Renders the template as Hugging Face does (sandboxed jinja2, trim/lstrip blocks,
+        special tokens and `raise_exception` in scope); ids without added special tokens."""
+        if not self.chat_template:
+            raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template")
+        if self._template is None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str):
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        specials = {a: getattr(self, a) for a in _SPECIAL_ATTRS}
+        text = self._template.render(messages=list(messages),
+                                     add_generation_prompt=add_generation_prompt,
+                                     **specials, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _plain_fast_config(path: Path) -> dict | None:
+    """tokenizer_config.json when it describes a plain PreTrainedTokenizerFast that
+    `LocalTokenizer` reproduces exactly, else None."""
+    config_path = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    plain = (config.get("tokenizer_class") == "PreTrainedTokenizerFast"
+             and "auto_map" not in config and config.get("clean_up_tokenization_spaces") is False
+             and not config.get("add_bos_token") and not config.get("add_eos_token"))
+    return config if plain else None
+
+
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
-    """A Hugging Face tokenizer from `model_dir` (local files only).
+    """A tokenizer from `model_dir` (local files only): a `LocalTokenizer` for plain fast
+    tokenizers, else the Hugging Face class.
 
     Checkpoints whose tokenizer_config.json names a custom class (Dream's `DreamTokenizer`) load
     through the generic fast tokenizer from tokenizer.json unless `trust_remote_code` is set.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     path = Path(model_dir).expanduser()
     if not has_tokenizer(path):
         raise _missing_files_error(path)
+    config = _plain_fast_config(path)
+    if config is not None:
+        return LocalTokenizer(path, config)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     if (path / "tokenizer.json").is_file() and not trust_remote_code and _names_custom_class(path):
         # tokenizer.json is self-contained; the custom class is not executed.
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)

@@ -9,6 +9,7 @@ from cover_vllm import LLM, SamplingParams
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.request import Request
 from cover_vllm.strategies import make_params, strategy_class
+from cover_vllm.strategies.base import BlockState, StepBatch
 
 
 def _prompts(n, seed=0):
@@ -81,3 +82,55 @@ def test_cover_params_are_validated():
         make_params("cover", {"k_min": 3, "k_max": 1})
     with pytest.raises(ValueError, match="allowed"):
         make_params("cover", {"seeds": 3})
+
+
+def _decide_one(tokens, seeds, probs, params=None):
+    """Cover.decide on one request whose 6-slot view is one block; probs [6, V] per row."""
+    spec = ModelSpec(family="llada", vocab_size=10, mask_token_id=9, eos_token_ids=(8,),
+                     pad_token_id=8, logit_shift=0, max_model_len=64)
+    strategy = strategy_class("cover")(make_params("cover", params), spec)
+    state = BlockState(block_steps=6)
+    strategy.start_block(state, sum(t == 9 for t in tokens))
+    n = len(tokens)
+    batch = StepBatch(
+        logits=torch.tensor(probs).log()[None], tokens=torch.tensor([tokens]),
+        valid=torch.ones(1, n, dtype=torch.bool), in_block=torch.ones(1, n, dtype=torch.bool),
+        is_gen=torch.ones(1, n, dtype=torch.bool), states=[state],
+        temperature=torch.zeros(1, dtype=torch.float64), top_p=torch.ones(1, dtype=torch.float64),
+        top_k=torch.full((1,), -1), generators=[torch.Generator()], mask_id=9,
+        seeds=torch.tensor([seeds]))
+    return strategy.decide(batch)
+
+
+def _row(top, p, others=None):
+    """A distribution over 10 tokens with p on `top` and the rest spread (or on `others`)."""
+    row = [1e-6] * 10
+    row[top] = p
+    for tok, q in (others or {}).items():
+        row[tok] = q
+    rest = (1 - sum(row)) / 10
+    return [x + rest for x in row]
+
+
+def test_keep_replace_remask_and_the_progress_guard():
+    # positions 0-2 committed seeds, 3-5 masked; the LOO rows of the seeds say:
+    # 0: agrees (Keep); 1: another token at 0.98 (Replace); 2: another token at 0.6 (ReMask)
+    tokens = [1, 2, 3, 9, 9, 9]
+    seeds = [True, True, True, False, False, False]
+    probs = [_row(1, 0.9), _row(5, 0.98), _row(6, 0.6, {3: 0.3}),
+             _row(4, 0.99), _row(4, 0.99), _row(7, 0.5)]
+    d = _decide_one(tokens, seeds, probs)
+    assert d.keeps.tolist() == [1] and d.verified.tolist() == [3]
+    assert d.replace[0].tolist() == [False, True, False, False, False, False]
+    assert d.remask[0].tolist() == [False, False, True, False, False, False]
+    assert d.tokens[0, 1] == 5                                   # replaced in place
+    assert d.commit[0].tolist() == [False, False, False, True, True, False]   # 0.99 >= 0.97
+    # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 is kept
+    probs[4] = _row(4, 0.5)
+    d = _decide_one(tokens, seeds, probs)
+    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [2]
+    # a verification-only step (no [MASK] left) drafts nothing: it keeps or replaces, never
+    # remasks (every such remask on cover-tiny was a flip-flop)
+    d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs)
+    assert not d.commit.any() and not d.remask.any()
+    assert d.replace[0].tolist() == [False, True, False, False, False, False]

@@ -205,3 +205,64 @@ def test_llm_loads_sharded_checkpoint_with_tokenizer_and_chats(tmp_path: Path) -
     (same,) = llm.generate([{"prompt_token_ids": expect}], params, use_tqdm=False)
     assert same.outputs[0].token_ids == out.outputs[0].token_ids
     assert isinstance(out.outputs[0].text, str)
+
+
+def test_local_tokenizer_matches_hugging_face_on_cover_tiny() -> None:
+    """cover-tiny's plain fast tokenizer loads without transformers and gives the same ids and
+    text as PreTrainedTokenizerFast for everything the engine, server and tasks call."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from cover_vllm.models.builtin import resolve_model_dir
+    from cover_vllm.tasks import get_task, list_tasks
+    from cover_vllm.tokenizer import LocalTokenizer
+
+    path = resolve_model_dir("cover-tiny")
+    local = load_tokenizer(path)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    assert isinstance(local, LocalTokenizer)
+    for attr in ("eos_token_id", "pad_token_id", "mask_token_id", "unk_token_id",
+                 "bos_token_id", "chat_template"):
+        assert getattr(local, attr) == getattr(hf, attr), attr
+    assert sorted(local.all_special_ids) == sorted(hf.all_special_ids)
+    assert len(local) == len(hf)
+    assert local.convert_tokens_to_ids(["<|user|>", "<|assistant|>"]) == \
+        hf.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    rng = random.Random(0)
+    texts = ["", "héllo wörld\t\n", "Mia has 3 pens.<|endoftext|><|pad|>"]
+    for name in list_tasks():
+        texts += [t for ex in (get_task(name).sample(rng) for _ in range(20))
+                  for t in (ex.prompt, ex.answer)]
+    for text in texts:
+        assert local.encode(text) == hf.encode(text)
+        assert local(text)["input_ids"] == hf(text)["input_ids"]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text},
+                    {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
+        for gen in (True, False):
+            assert local.apply_chat_template(messages, add_generation_prompt=gen) == list(
+                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True))
+            assert local.apply_chat_template(messages, add_generation_prompt=gen,
+                                             tokenize=False) == hf.apply_chat_template(
+                messages, add_generation_prompt=gen, tokenize=False)
+    for _ in range(200):                       # random ids, special tokens included
+        ids = [rng.randrange(len(hf)) for _ in range(rng.randint(0, 30))]
+        for skip in (False, True):
+            assert local.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip)
+    assert apply_chat_template(local, [{"role": "user", "content": "12+30="}]) == \
+        apply_chat_template(hf, [{"role": "user", "content": "12+30="}])
+
+
+def test_cover_tiny_loads_without_importing_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, time; t = time.perf_counter(); from cover_vllm import LLM; "
+            "from cover_vllm import SamplingParams; llm = LLM('cover-tiny', kv_cache='none'); "
+            "(o,) = llm.chat([{'role': 'user', 'content': '384+250='}], "
+            "SamplingParams(max_tokens=32), use_tqdm=False); assert o.outputs[0].text.endswith('=634'), o.outputs[0].text; "
+            "print('transformers' in sys.modules, round(time.perf_counter() - t, 2))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported, _seconds = out.stdout.split()
+    assert imported == "False"
