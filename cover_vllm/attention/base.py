@@ -50,6 +50,7 @@ class AttentionMetadata:
     ov_seq: torch.Tensor         # [S] sequence index
     ov_col: torch.Tensor         # [S] key column of s (= its canvas position)
     ov_key: torch.Tensor         # [S] row of (ov_seq, ov_col) in the flattened [B * Kmax] keys
+    ov_slot: torch.Tensor        # [S] query slot of the predictor row in its [Qmax] window
     ov_rows: torch.Tensor        # [R] distinct predictor rows (flat tokens)
     ov_inverse: torch.Tensor     # [S] index of each override's row in ov_rows
     num_overrides: int
@@ -83,7 +84,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     key_slots = torch.zeros(b, k_max, dtype=torch.long)
     key_valid = torch.zeros(b, k_max, dtype=torch.bool)
     out_index, write_index, write_slots = [], [], []
-    ov_src, ov_row, ov_seq, ov_col = [], [], [], []
+    ov_src, ov_row, ov_seq, ov_col, ov_slot = [], [], [], [], []
     offset = 0
     for i, s in enumerate(seqs):
         n, length = s.window_len, int(s.key_slots.numel())
@@ -97,6 +98,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
             keep[pos - s.window_start] = False
             ov_src.append(offset + pos - s.window_start)
             ov_row.append(offset + row - s.window_start)
+            ov_slot.append(row - s.window_start)
             ov_seq.append(i)
             ov_col.append(pos)
         write_index.append(flat[keep])
@@ -111,6 +113,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
         ov_col=as_long(ov_col), ov_key=as_long([i * k_max + c for i, c in zip(ov_seq, ov_col)]),
+        ov_slot=as_long(ov_slot),
         ov_rows=ov_rows, ov_inverse=ov_inverse,
         num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
         ex_allowed=ex_allowed.to(device))

@@ -51,12 +51,12 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     kk = torch.cat((keys.flatten(0, 1).index_select(0, meta.ov_key), k.index_select(0, meta.ov_src)))
     vv = torch.cat((values.flatten(0, 1).index_select(0, meta.ov_key),
                     v.index_select(0, meta.ov_src)))
-    kk = expand_kv_heads(kk, num_heads).float().view(2, num, num_heads, head_dim)
-    vv = expand_kv_heads(vv, num_heads).float().view(2, num, num_heads, head_dim)
-    q_r = q.index_select(0, meta.ov_row).float()                               # [S, H, d]
+    kk = _f32(expand_kv_heads(kk, num_heads)).view(2, num, num_heads, head_dim)
+    vv = _f32(expand_kv_heads(vv, num_heads)).view(2, num, num_heads, head_dim)
+    q_r = _f32(q.index_select(0, meta.ov_row))                                # [S, H, d]
     p = torch.exp((kk * q_r).sum(-1) * head_dim ** -0.5 - lse)                 # [2, S, H]
     p[0].neg_()                                         # the cached column leaves, the fresh joins
-    delta_num = (p[..., None] * vv).sum(0)                                     # [S, H, d]
+    delta_num = (p.unsqueeze(-1) * vv).sum(0)                                  # [S, H, d]
     delta_den = p.sum(0)                                                       # [S, H]
     rows = meta.ov_rows
     if len(rows) == num:                 # one override per row: no reduction needed
@@ -66,5 +66,9 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             0, meta.ov_inverse, delta_num)
         delta_den = delta_den.new_zeros(len(rows), num_heads).index_add_(
             0, meta.ov_inverse, delta_den)
-    fixed = (o.index_select(0, rows).float() + delta_num) / (1.0 + delta_den)[..., None]
-    return o.index_copy_(0, rows, fixed.to(o.dtype))
+    fixed = (_f32(o.index_select(0, rows)) + delta_num) / (delta_den + 1.0).unsqueeze(-1)
+    return o.index_copy_(0, rows, fixed if fixed.dtype == o.dtype else fixed.to(o.dtype))
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()

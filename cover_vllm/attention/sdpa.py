@@ -32,7 +32,7 @@ class SDPABackend(AttentionBackend):
             o, lse = _FLASH_CPU(qp, expand_kv_heads(kp, num_heads, 1),
                                 expand_kv_heads(vp, num_heads, 1), 0.0, False,
                                 attn_mask=meta.key_bias(q.dtype))
-            lse = lse.transpose(1, 2).reshape(b * q_max, num_heads)[meta.out_index][meta.ov_row]
+            lse = lse[meta.ov_seq, :, meta.ov_slot]                        # [S, H]
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.key_valid[:, None, None],
                                                enable_gqa=num_heads != k.shape[1])
