@@ -97,9 +97,10 @@ class Cover(Strategy):
         state.extra.update(mem=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
 
     def block_done(self, state: BlockState, num_masked: int) -> bool:
-        """Done when no [MASK] is left and every token was verified since its last commit
-        (bounded by max_verify_steps mask-free steps): drafts from the last draft step need one
-        forward with them visible before their cached K/V can serve a leave-one-out check."""
+        """Done when no [MASK] is left and every token committed less sure than
+        `final_verify_below` was verified since (bounded by max_verify_steps mask-free steps):
+        drafts from the last draft step need one forward with them visible before their cached
+        K/V can serve a leave-one-out check."""
         if num_masked > 0:
             return False
         extra, mem = state.extra, state.extra.get("mem")
