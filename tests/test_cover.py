@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,13 +85,19 @@ def test_cover_params_are_validated():
         make_params("cover", {"seeds": 3})
 
 
-def _decide_one(tokens, seeds, probs, params=None):
-    """Cover.decide on one request whose 6-slot view is one block; probs [6, V] per row."""
+def _cover(params=None):
     spec = ModelSpec(family="llada", vocab_size=10, mask_token_id=9, eos_token_ids=(8,),
                      pad_token_id=8, logit_shift=0, max_model_len=64)
-    strategy = strategy_class("cover")(make_params("cover", params), spec)
-    state = BlockState(block_steps=6)
-    strategy.start_block(state, sum(t == 9 for t in tokens))
+    return strategy_class("cover")(make_params("cover", params), spec)
+
+
+def _decide_one(tokens, seeds, probs, params=None, strategy=None, state=None):
+    """Cover.decide on one request whose view is one block; probs [n, V] per row. Pass the
+    strategy and state to continue a block."""
+    strategy = strategy or _cover(params)
+    if state is None:
+        state = BlockState(block_steps=6)
+        strategy.start_block(state, sum(t == 9 for t in tokens))
     n = len(tokens)
     batch = StepBatch(
         logits=torch.tensor(probs).log()[None], tokens=torch.tensor([tokens]),
@@ -119,18 +126,69 @@ def test_keep_replace_remask_and_the_progress_guard():
     seeds = [True, True, True, False, False, False]
     probs = [_row(1, 0.9), _row(5, 0.98), _row(6, 0.6, {3: 0.3}),
              _row(4, 0.99), _row(4, 0.99), _row(7, 0.5)]
-    d = _decide_one(tokens, seeds, probs)
+    every = {"max_revise": None}
+    d = _decide_one(tokens, seeds, probs, every)
     assert d.keeps.tolist() == [1] and d.verified.tolist() == [3]
     assert d.replace[0].tolist() == [False, True, False, False, False, False]
     assert d.remask[0].tolist() == [False, False, True, False, False, False]
     assert d.tokens[0, 1] == 5                                   # replaced in place
     assert d.commit[0].tolist() == [False, False, False, True, True, False]   # 0.99 >= 0.97
-    # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 is kept
+    # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 is replaced by its
+    # leave-one-out argmax (6 at 0.6 beats its own 3 at 0.3) instead of being remasked
     probs[4] = _row(4, 0.5)
-    d = _decide_one(tokens, seeds, probs)
-    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [2]
+    d = _decide_one(tokens, seeds, probs, every)
+    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [1]
+    assert d.replace[0].tolist() == [False, True, True, False, False, False]
+    assert d.tokens[0, 1:3].tolist() == [5, 6]
     # a verification-only step (no [MASK] left) drafts nothing: it keeps or replaces, never
     # remasks (every such remask on cover-tiny was a flip-flop)
-    d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs)
+    d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs, every)
     assert not d.commit.any() and not d.remask.any()
+    assert d.replace[0].tolist() == [False, True, True, False, False, False]
+
+
+def test_one_revision_per_step_and_the_rest_deferred():
+    # seeds 1 and 2 both disagree with their tokens; each check assumed the other seed stays,
+    # so by default (max_revise=1) only the least likely own token (seed 1) is revised and
+    # seed 2 keeps its token but counts as unchecked
+    tokens, seeds = [1, 2, 3, 9, 9, 9], [True, True, True, False, False, False]
+    probs = [_row(1, 0.9), _row(5, 0.98), _row(6, 0.6, {3: 0.3}),
+             _row(4, 0.99), _row(4, 0.99), _row(7, 0.5)]
+    strategy, state = _cover(), BlockState(block_steps=6)
+    strategy.start_block(state, 3)
+    state.extra["mem"] = np.zeros((6, 6))
+    state.extra["mem"][1] = [2.0, 2.0, 2.0, 0, 0, 0]        # CHECKS
+    d = _decide_one(tokens, seeds, probs, strategy=strategy, state=state)
     assert d.replace[0].tolist() == [False, True, False, False, False, False]
+    assert not d.remask.any() and d.keeps.tolist() == [2]
+    checks = state.extra["mem"][1].tolist()
+    assert checks[0] == 3 and checks[2] == 0                    # kept seed counted, deferred not
+
+
+def test_final_verification_waits_only_for_stale_judgements():
+    strategy = _cover({"final_verify_below": 1.0, "draft_threshold": 0.9})
+    # a block's last [MASK] drafted alone (forced, at 0.5) after its neighbours: its
+    # leave-one-out view is the view it was drafted from, so the block ends at once ...
+    state = BlockState(block_steps=3)
+    strategy.start_block(state, 3)
+    probs = [_row(1, 0.99), _row(2, 0.99), _row(4, 0.5)]
+    _decide_one([9, 9, 9], [False] * 3, probs, strategy=strategy, state=state)
+    mem = state.extra["mem"]
+    mem[0] = 1.0                                                   # AGE: visible once
+    assert strategy.select_seeds(state, torch.tensor([1, 2, 9]), 0) == [0]   # k_min = 1
+    d = _decide_one([1, 2, 9], [True, False, False], probs, strategy=strategy, state=state)
+    assert d.commit[0].tolist() == [False, False, True] and d.keeps.tolist() == [1]
+    # ... except for the tokens the draft made stale: 0 and 1 were judged without it
+    assert not strategy.block_done(state, 0)
+    assert strategy._unverified(mem).tolist() == [True, True, False]
+    # a check that keeps both, with nothing else changed, ends the block
+    mem[0] = 1.0
+    assert strategy.select_seeds(state, torch.tensor([1, 2, 4]), 0) == [0, 1]
+    d = _decide_one([1, 2, 4], [True, True, False], probs, strategy=strategy, state=state)
+    assert d.keeps.tolist() == [2] and strategy.block_done(state, 0)
+    # two drafted together were each judged without the other: both wait for a check
+    state = BlockState(block_steps=2)
+    strategy.start_block(state, 2)
+    probs = [_row(3, 0.95), _row(4, 0.95)]
+    d = _decide_one([9, 9], [False] * 2, probs, strategy=strategy, state=state)
+    assert d.commit[0].tolist() == [True, True] and not strategy.block_done(state, 0)

@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,8 @@ def _copy_generator(g: torch.Generator) -> torch.Generator:
 def _comparable(value):
     if isinstance(value, torch.Tensor):
         return ("tensor", value.tolist())
+    if isinstance(value, np.ndarray):
+        return ("array", value.tolist())
     if isinstance(value, dict):
         return {k: _comparable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
@@ -27,6 +28,8 @@ class CoverParams(StrategyParams):
     draft_threshold: float = 0.97         # τ_draft: commit masked positions at least this sure
     max_draft: int | None = None          # B: cap on drafts per step (None: no cap)
     replace_threshold: float | None = None   # τ_rep (None: τ_draft)
+    held_replace_min: float = 0.5         # a remask the guard holds back is replaced if the
+                                          # leave-one-out argmax is at least this likely
     keep_min: float = 0.0                 # τ_keep_min: argmax agrees but less sure -> ReMask
     w_uncertainty: float = 0.5            # stability score weights (additive)
     w_influence: float = 0.25
@@ -41,13 +44,15 @@ class CoverParams(StrategyParams):
     k_min: int = 1
     k_max: int = 16
     max_verifications: int | None = 3     # a token verified this often is not picked again
+    max_revise: int | None = 1            # Replace + ReMask per step (None: no cap)
     final_verify: bool = True             # block ends only when the drafts below were verified
     final_verify_below: float | None = None   # ... drafts less sure than this (None: τ_draft,
                                               # i.e. the forced ones; 1.0: every draft)
     max_verify_steps: int = 4             # ... or after this many steps without masks left
 
     def __post_init__(self) -> None:
-        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low"):
+        for name in ("draft_threshold", "keep_min", "held_replace_min", "drift_beta",
+                     "hit_high", "hit_low"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"decoding_params.{name} must be in [0, 1]")
         if self.final_verify_below is not None and not 0.0 <= self.final_verify_below <= 1.0:
@@ -62,20 +67,30 @@ class CoverParams(StrategyParams):
             raise ValueError("decoding_params.max_verify_steps must be >= 0")
         if self.max_draft is not None and self.max_draft < 1:
             raise ValueError("decoding_params.max_draft must be >= 1 or null")
+        if self.max_revise is not None and self.max_revise < 1:
+            raise ValueError("decoding_params.max_revise must be >= 1 or null")
         if min(self.w_uncertainty, self.w_influence, self.w_drift) < 0:
             raise ValueError("decoding_params score weights must be >= 0")
 
 
-# rows of a request's per-position memory [5, block length] (float64; counters hold integers)
-AGE, CHECKS, CONF, DRIFT, ATTN_IN = range(5)
+# Rows of a request's per-position memory, a float64 numpy array [6, block length] (counters
+# and flags hold integers). It is host-side bookkeeping of a few dozen numbers per request, where
+# numpy's per-call cost is a fraction of torch's; the decision math stays in torch. STALE: another position changed since this token was last judged (drafted,
+# replaced or kept by a check), so a check now would see a context that judgement did not.
+AGE, CHECKS, CONF, DRIFT, ATTN_IN, STALE = range(6)
+_ROWS = 6
 
 
-def _minmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Min-max normalise each row of x [F, L] over the columns in mask [L] (0 where a row's
     range is empty)."""
-    lo = x.masked_fill(~mask, math.inf).amin(-1, keepdim=True)
-    span = x.masked_fill(~mask, -math.inf).amax(-1, keepdim=True) - lo
-    return torch.where(span > 0, (x - lo) / span, 0.0)
+    lo = x[:, mask].min(-1, keepdims=True)
+    span = x[:, mask].max(-1, keepdims=True) - lo
+    return np.where(span > 0, (x - lo) / np.where(span > 0, span, 1.0), 0.0)
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy()
 
 
 class Cover(Strategy):
@@ -107,15 +122,22 @@ class Cover(Strategy):
         if not self.params.final_verify or self.params.k_max == 0 or mem is None:
             return True
         extra["verify_steps"] += 1
-        pending = ((mem[CHECKS] == 0) & (mem[CONF] < self._verify_below)).any()
-        return not bool(pending) or extra["verify_steps"] > self.params.max_verify_steps
+        pending = bool(self._unverified(mem).any())
+        return not pending or extra["verify_steps"] > self.params.max_verify_steps
+
+    def _unverified(self, mem: np.ndarray) -> np.ndarray:
+        """[L] bool: committed tokens that must pass a check before their block ends: last
+        judged (drafted, replaced or checked) less sure than `final_verify_below`, from a
+        context that has changed since. A token drafted alone after which nothing changed was
+        predicted from exactly its leave-one-out view; checking it would repeat the draft."""
+        return (mem[CONF] < self._verify_below) & (mem[STALE] > 0)
 
     @staticmethod
-    def _memory(state: BlockState, length: int) -> torch.Tensor:
-        """Per-position memory [5, length] of the current block (rows AGE..ATTN_IN), created on
-        first use."""
+    def _memory(state: BlockState, length: int) -> np.ndarray:
+        """Per-position memory [_ROWS, length] of the current block (rows AGE..STALE), created
+        on first use."""
         if state.extra.get("mem") is None:
-            state.extra["mem"] = torch.zeros(5, length, dtype=torch.float64)
+            state.extra["mem"] = np.zeros((_ROWS, length))
         return state.extra["mem"]
 
     # ---- before the forward ----------------------------------------------------------------
@@ -123,26 +145,32 @@ class Cover(Strategy):
                      block_start: int) -> list[int]:
         p = self.params
         mem, extra = self._memory(state, block_tokens.numel()), state.extra
-        cand = (block_tokens != self.spec.mask_token_id) & (mem[AGE] >= 1)
+        masked = _np(block_tokens) == self.spec.mask_token_id
+        visible = ~masked & (mem[AGE] >= 1)
+        cand = visible
         if p.max_verifications is not None:
-            cand &= mem[CHECKS] < p.max_verifications
+            cand = cand & (mem[CHECKS] < p.max_verifications)
+        pending = None
+        if not masked.any():
+            # verification-only step: every token the block still waits for, first
+            pending = visible & self._unverified(mem)
+            cand = cand | pending
         num = int(cand.sum())
         if num == 0 or p.k_max == 0:
             return []
-        unchecked = None
-        if bool((block_tokens == self.spec.mask_token_id).any()):
+        if pending is None:
             k = min(max(math.ceil(extra["rho"] * extra["drafted"]), p.k_min), p.k_max, num)
-        else:                           # verification-only step: every never-checked token
-            unchecked = cand & (mem[CHECKS] == 0) & (mem[CONF] < self._verify_below)
-            k = min(max(int(unchecked.sum()), p.k_min), p.k_max, num)
+        else:
+            k = min(max(int(pending.sum()), p.k_min), p.k_max, num)
         if k == num:                    # every candidate: no ranking needed
-            return (block_start + cand.nonzero()[:, 0]).tolist()
-        u, d_in, drift = _minmax(torch.stack((1.0 - mem[CONF], mem[ATTN_IN], mem[DRIFT])), cand)
+            return (block_start + np.flatnonzero(cand)).tolist()
+        u, d_in, drift = _minmax(np.stack((1.0 - mem[CONF], mem[ATTN_IN], mem[DRIFT])), cand)
         score = p.w_uncertainty * u + p.w_influence * d_in + p.w_drift * drift
-        if unchecked is not None:
-            score = score + unchecked.double() * 10.0
-        score = score.masked_fill(~cand, float("-inf"))
-        return (block_start + score.topk(k).indices.sort().values).tolist()
+        if pending is not None:
+            score = score + pending * 10.0
+        score = np.where(cand, score, -np.inf)
+        top = np.argsort(-score, kind="stable")[:k]
+        return (block_start + np.sort(top)).tolist()
 
     # ---- after the forward -----------------------------------------------------------------
     def decide(self, batch: StepBatch) -> Decision:
@@ -160,50 +188,75 @@ class Cover(Strategy):
         seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
         p_own = probs.gather(-1, batch.tokens.clamp(max=probs.shape[-1] - 1)[..., None])[..., 0]
         agree = best == batch.tokens
-        tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
         keep = seeds & agree & (p_own >= p.keep_min)
-        replace = seeds & ~agree & (conf >= tau_rep)
-        remask = seeds & ~keep & ~replace
-        if bool(remask.any()):
+        replace = remask = deferred = torch.zeros_like(draft)
+        revise = seeds & ~keep
+        if bool(revise.any()):
+            # Revise at most max_revise seeds per step, the least likely own tokens first. Each
+            # seed's check assumed every other seed keeps its token, so two revisions in one
+            # step can contradict each other (two cells of a row both taking the missing
+            # digit); the rest are kept for now and checked again (`deferred`).
+            if p.max_revise is not None:
+                first = topk_mask((-p_own).masked_fill(~revise, float("-inf")),
+                                  torch.full((revise.shape[0],), p.max_revise))
+                deferred, revise = revise & ~first, first
+            tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
+            replace = revise & ~agree & (conf >= tau_rep)
+            remask = revise & ~replace
             # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks, the least
-            # likely own tokens first; the rest are kept. A verification-only step (no [MASK]
-            # left) drafts nothing, so it may keep or replace but never remask.
+            # likely own tokens first, so a verification-only step (no [MASK] left) never
+            # remasks. A seed the guard holds back is replaced by its leave-one-out argmax if
+            # that is at least held_replace_min likely (the check found it likelier than the
+            # seed's own token, and a replacement costs no progress); otherwise it is kept for
+            # now and checked again.
             allowed = (draft.sum(-1) - 1).clamp(min=0)
             guarded = topk_mask((-p_own).masked_fill(~remask, float("-inf")), allowed)
-            keep |= remask & ~guarded
+            held = remask & ~guarded
+            swap = held & ~agree & (conf >= p.held_replace_min)
+            replace = replace | swap
+            deferred = deferred | (held & ~swap)
             remask = guarded
         tokens = torch.where(replace, best, draft_tokens) if bool(replace.any()) else draft_tokens
-        self._update_memory(batch, draft, keep, replace, remask, conf, p_own)
+        self._update_memory(batch, draft, keep, deferred, replace, remask, conf, p_own)
         return Decision(commit=draft, tokens=tokens, remask=remask, replace=replace,
-                        keeps=keep.sum(-1), verified=seeds.sum(-1))
+                        keeps=(keep | deferred).sum(-1), verified=seeds.sum(-1))
 
-    def _update_memory(self, batch: StepBatch, draft, keep, replace, remask, conf, p_own):
-        """Advance every request's per-position memory (block positions) at once."""
+    def _update_memory(self, batch: StepBatch, draft, keep, deferred, replace, remask, conf,
+                       p_own):
+        """Advance every request's per-position memory (block positions) at once. A deferred
+        seed keeps its token but counts as never checked, so the block does not end before its
+        check passes."""
         p = self.params
-        blk = batch.in_block
-        mems = [self._memory(st, int(n)) for st, n in zip(batch.states, blk.sum(-1))]
-        m = torch.zeros(blk.shape[0], 5, blk.shape[1], dtype=torch.float64)   # [n, 5, W]
+        n, width = batch.tokens.shape
+        blk = _np(batch.in_block)
+        seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
+        fresh_t = draft | replace | remask
+        draft, keep, deferred, replace, remask, seeds, fresh = (
+            _np(x) for x in (draft, keep, deferred, replace, remask, seeds, fresh_t))
+        visible = _np(~batch.masked & batch.valid) & ~seeds
+        m = np.zeros((n, _ROWS, width))                              # [n, 6, W]
+        mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
         for i, mem in enumerate(mems):
             m[i][:, blk[i]] = mem
-        age, checks, last_conf, drift = m[:, AGE], m[:, CHECKS], m[:, CONF], m[:, DRIFT]
-        seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
-        visible = ~batch.masked & batch.valid & ~seeds
+        age, checks, last_conf, drift, stale = (m[:, r] for r in (AGE, CHECKS, CONF, DRIFT, STALE))
         if batch.drift is not None:
             seen = visible & (age >= 1)                 # the cached key was a visible version
-            ema = p.drift_beta * drift + (1 - p.drift_beta) * batch.drift.double()
-            m[:, DRIFT] = torch.where(seen, ema, drift)
+            ema = p.drift_beta * drift + (1 - p.drift_beta) * _np(batch.drift)
+            drift = np.where(seen, ema, drift)
         if batch.attn_in is not None:
-            m[:, ATTN_IN] = batch.attn_in
-        fresh = draft | replace | remask
-        m[:, AGE] = torch.where(fresh, 0.0, age + visible.double())
-        m[:, DRIFT].masked_fill_(fresh, 0.0)
-        m[:, CHECKS] = torch.where(fresh, 0.0, checks + seeds.double())
-        m[:, CONF] = torch.where(keep, p_own, torch.where(draft | replace, conf, last_conf))
-        num_seeds = seeds.sum(-1).tolist()
-        hits = (replace | remask).sum(-1).tolist()
-        drafted = draft.sum(-1).tolist()
+            m[:, ATTN_IN] = _np(batch.attn_in)
+        changed = fresh.sum(-1, keepdims=True)           # [n, 1] positions changed this step
+        checked = seeds & ~deferred & ~fresh
+        m[:, STALE] = np.where(fresh, changed > 1,
+                               np.where(checked, changed > 0, np.maximum(stale, changed > 0)))
+        m[:, AGE] = np.where(fresh, 0.0, age + visible)
+        m[:, DRIFT] = np.where(fresh, 0.0, drift)
+        m[:, CHECKS] = np.where(fresh | deferred, 0.0, checks + seeds)
+        m[:, CONF] = np.where(keep | deferred, _np(p_own),
+                              np.where(draft | replace, _np(conf), last_conf))
+        num_seeds, hits, drafted = seeds.sum(-1), (replace | remask).sum(-1), draft.sum(-1)
         for i, (mem, st) in enumerate(zip(mems, batch.states)):
-            mem.copy_(m[i][:, blk[i]])
+            mem[:] = m[i][:, blk[i]]
             extra = st.extra
             if num_seeds[i]:
                 hit = hits[i] / num_seeds[i]
@@ -211,4 +264,4 @@ class Cover(Strategy):
                     extra["rho"] = min(extra["rho"] * (1 + p.rho_eta), p.rho_max)
                 elif hit < p.hit_low:
                     extra["rho"] = max(extra["rho"] * (1 - p.rho_eta), p.rho_min)
-            extra["drafted"] = drafted[i]
+            extra["drafted"] = int(drafted[i])
