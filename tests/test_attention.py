@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from cover_vllm.attention import build_metadata, get_backend
 from cover_vllm.attention.base import SeqLayout
+from cover_vllm.attention.sdpa import SDPABackend
 
 HEAD_DIM = 16
 
@@ -32,9 +33,20 @@ def _random_batch(num_heads, num_kv_heads, overrides, seed=0, page_size=4):
     return seqs, q, k, v, (k_cache, v_cache)
 
 
+def _backend(name):
+    """A registered backend, or "sdpa/<override mode>"."""
+    if name.startswith("sdpa/"):
+        return SDPABackend(override=name.split("/")[1])
+    return get_backend(name)
+
+
 def _run(backend, seqs, q, k, v, cache):
     cache = (cache[0].clone(), cache[1].clone())
-    return get_backend(backend).forward(q, k, v, cache, build_metadata(seqs)), cache
+    return _backend(backend).forward(q, k, v, cache, build_metadata(seqs)), cache
+
+
+# both ways the SDPA backend builds the override views (the default on CPU is "mask")
+SDPA_OVERRIDE = ["sdpa/mask", "sdpa/closed_form"]
 
 
 OVERRIDES = [
@@ -44,27 +56,41 @@ OVERRIDES = [
 ]
 
 
+@pytest.mark.parametrize("fast_path", SDPA_OVERRIDE)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
-def test_override_matches_two_view_reference(heads):
+def test_override_matches_two_view_reference(heads, fast_path):
     seqs, q, k, v, cache = _random_batch(*heads, OVERRIDES, seed=1)
-    fast, fast_cache = _run("sdpa", seqs, q, k, v, cache)
+    fast, fast_cache = _run(fast_path, seqs, q, k, v, cache)
     slow, slow_cache = _run("reference", seqs, q, k, v, cache)
     assert (fast - slow).abs().max().item() <= 1e-5
     assert torch.equal(fast_cache[0], slow_cache[0]) and torch.equal(fast_cache[1], slow_cache[1])
 
 
-def test_override_positions_keep_their_cached_kv():
+def test_override_modes_agree_and_are_validated():
+    seqs, q, k, v, cache = _random_batch(4, 2, OVERRIDES, seed=8)
+    masked, _ = _run("sdpa/mask", seqs, q, k, v, cache)
+    closed, _ = _run("sdpa/closed_form", seqs, q, k, v, cache)
+    assert (masked - closed).abs().max().item() <= 1e-5
+    default, _ = _run("sdpa", seqs, q, k, v, cache)          # auto: mask on CPU
+    assert torch.equal(default, masked)
+    with pytest.raises(ValueError, match="override='fused'.*closed_form"):
+        SDPABackend(override="fused")
+
+
+@pytest.mark.parametrize("fast_path", SDPA_OVERRIDE)
+def test_override_positions_keep_their_cached_kv(fast_path):
     seqs, q, k, v, cache = _random_batch(4, 2, OVERRIDES, seed=2)
-    _, new_cache = _run("sdpa", seqs, q, k, v, cache)
+    _, new_cache = _run(fast_path, seqs, q, k, v, cache)
     for s in seqs:
         for pos, _ in s.override:
             slot = s.key_slots[pos]
             assert torch.equal(new_cache[0][slot], cache[0][slot])
 
 
-def test_override_changes_only_predictor_rows():
+@pytest.mark.parametrize("fast_path", SDPA_OVERRIDE)
+def test_override_changes_only_predictor_rows(fast_path):
     seqs, q, k, v, cache = _random_batch(4, 2, OVERRIDES, seed=3)
-    with_ov, _ = _run("sdpa", seqs, q, k, v, cache)
+    with_ov, _ = _run(fast_path, seqs, q, k, v, cache)
     # Same batch, but the override positions' cache already holds what they would read.
     plain = [SeqLayout(s.window_start, s.window_len, s.key_slots, []) for s in seqs]
     meta = build_metadata(seqs)
@@ -119,13 +145,14 @@ def _with_extra_rows(seqs, q, k, v, counts, seed):
     return out, *(torch.cat([x, y]) for x, y in zip((q, k, v), extra))
 
 
+@pytest.mark.parametrize("fast_path", SDPA_OVERRIDE)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 @pytest.mark.parametrize("overrides", [[], OVERRIDES], ids=["plain", "override"])
-def test_extra_rows_match_reference_and_never_touch_the_cache(heads, overrides):
+def test_extra_rows_match_reference_and_never_touch_the_cache(heads, overrides, fast_path):
     seqs, q, k, v, cache = _random_batch(*heads, overrides, seed=5)
-    base, base_cache = _run("sdpa", seqs, q, k, v, cache)
+    base, base_cache = _run(fast_path, seqs, q, k, v, cache)
     ext, q2, k2, v2 = _with_extra_rows(seqs, q, k, v, [5, 0, 3], seed=6)
-    fast, fast_cache = _run("sdpa", ext, q2, k2, v2, cache)
+    fast, fast_cache = _run(fast_path, ext, q2, k2, v2, cache)
     slow, slow_cache = _run("reference", ext, q2, k2, v2, cache)
     assert fast.shape == (q2.shape[0], *q.shape[1:])
     assert (fast - slow).abs().max().item() <= 1e-5

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from cover_vllm.entrypoints.cli import main
+from cover_vllm.strategies import strategy_class
 
 RESULT_KEYS = {"decoding", "kv_cache", "batch_size", "tokens_per_s", "requests_per_s",
                "nfe_per_token", "speedup_vs_reference", "overhead_fraction", "mfu", "accuracy",
@@ -64,6 +65,13 @@ def test_bench_latency_reports_every_phase(tmp_path, capsys):
     assert same_window["seeds_per_step"] >= 1 and same_window["forward_without_seeds_ms"] > 0
     assert same_window["ratio"] == pytest.approx(
         same_window["forward_ms"] / same_window["forward_without_seeds_ms"])
+    # a step adds the decision on the recorded logits: COVER's own vs threshold's
+    assert same_window["decide_ms"] > 0 and same_window["threshold_decide_ms"] > 0
+    assert same_window["step_ms"] == pytest.approx(
+        same_window["forward_ms"] + same_window["decide_ms"])
+    assert same_window["step_ratio"] == pytest.approx(
+        same_window["step_ms"] / same_window["step_without_seeds_ms"])
+    assert strategy_class("cover").decide.__qualname__ == "Cover.decide"   # recording undone
     out = capsys.readouterr().out
     assert "| cover | dual |" in out and "identical windows" in out
 

@@ -53,11 +53,14 @@ class AttentionMetadata:
     ov_slot: torch.Tensor        # [S] query slot of the predictor row in its [Qmax] window
     ov_rows: torch.Tensor        # [R] distinct predictor rows (flat tokens)
     ov_inverse: torch.Tensor     # [S] index of each override's row in ov_rows
+    ov_extra: torch.Tensor       # [S] rank of the override within its sequence
+    ov_fresh: torch.Tensor       # [B, Smax] flat token of each sequence's override sources
     num_overrides: int
     ex_index: torch.Tensor       # [B, Emax] flat token of each padded extra row (pad -> 0)
     ex_out: torch.Tensor         # [Te] position of each extra row in the [B * Emax] layout
     ex_allowed: torch.Tensor     # [B, Emax, Kmax + Emax] bool: canvas columns, then extra rows
     _key_bias: torch.Tensor | None = None
+    _override_bias: torch.Tensor | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -74,6 +77,22 @@ class AttentionMetadata:
             self._key_bias = bias.masked_fill(~self.key_valid, float("-inf"))[:, None, None, :]
         return self._key_bias
 
+    def override_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, Qmax, Kmax + Smax] for attending over the keys followed by each
+        sequence's overridden positions' fresh K/V (`ov_fresh`): every row sees the real keys
+        (the cached K/V at an override position) except that a predictor row sees, instead of
+        its seed's cached column, that seed's fresh column. Built once per forward."""
+        if self._override_bias is None or self._override_bias.dtype != dtype:
+            (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
+            allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
+                                  device=self.key_valid.device)
+            allowed[:, :, :k_max] = self.key_valid[:, None, :]
+            allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
+            allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = True
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._override_bias = bias.masked_fill(~allowed, float("-inf"))[:, None]
+        return self._override_bias
+
 
 def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") -> AttentionMetadata:
     """Lay out a batch (one Python pass over sequences per step, shared by every layer)."""
@@ -84,7 +103,9 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     key_slots = torch.zeros(b, k_max, dtype=torch.long)
     key_valid = torch.zeros(b, k_max, dtype=torch.bool)
     out_index, write_index, write_slots = [], [], []
-    ov_src, ov_row, ov_seq, ov_col, ov_slot = [], [], [], [], []
+    ov_src, ov_row, ov_seq, ov_col, ov_slot, ov_extra = [], [], [], [], [], []
+    s_max = max(len(s.override) for s in seqs)
+    ov_fresh = torch.zeros(b, s_max, dtype=torch.long)
     offset = 0
     for i, s in enumerate(seqs):
         n, length = s.window_len, int(s.key_slots.numel())
@@ -94,8 +115,10 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         key_slots[i, :length] = s.key_slots
         key_valid[i, :length] = True if s.hidden_keys is None else ~s.hidden_keys
         keep = torch.ones(n, dtype=torch.bool)
-        for pos, row in s.override:
+        for e, (pos, row) in enumerate(s.override):
             keep[pos - s.window_start] = False
+            ov_fresh[i, e] = offset + pos - s.window_start
+            ov_extra.append(e)
             ov_src.append(offset + pos - s.window_start)
             ov_row.append(offset + row - s.window_start)
             ov_slot.append(row - s.window_start)
@@ -114,8 +137,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
         ov_col=as_long(ov_col), ov_key=as_long([i * k_max + c for i, c in zip(ov_seq, ov_col)]),
         ov_slot=as_long(ov_slot),
-        ov_rows=ov_rows, ov_inverse=ov_inverse,
-        num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
+        ov_rows=ov_rows, ov_inverse=ov_inverse, ov_extra=as_long(ov_extra),
+        ov_fresh=ov_fresh.to(device), num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
         ex_allowed=ex_allowed.to(device))
 
 
@@ -155,19 +178,23 @@ class AttentionBackend(ABC):
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                return_keys: bool = False):
         """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d].
-        Returns o [T, H, d]."""
+        Returns o [T, H, d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
+        rows attended over (for statistics that need them)."""
         k_cache, v_cache = cache
         k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_index))
         v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_index))
         keys = gather_pages(k_cache, meta.key_slots)       # [B, Kmax, Hkv, d]
         values = gather_pages(v_cache, meta.key_slots)
         if meta.num_extra == 0:
-            return self.attend(q, k, v, keys, values, meta)
-        t = meta.num_window_tokens
-        o = self.attend(q[:t], k[:t], v[:t], keys, values, meta)
-        return torch.cat([o, self.attend_extra(q, k, v, keys, values, meta)])
+            o = self.attend(q, k, v, keys, values, meta)
+        else:
+            t = meta.num_window_tokens
+            o = torch.cat([self.attend(q[:t], k[:t], v[:t], keys, values, meta),
+                           self.attend_extra(q, k, v, keys, values, meta)])
+        return (o, keys) if return_keys else o
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,

@@ -1,9 +1,19 @@
-"""Torch SDPA backend (CPU and CUDA): paged gather, one fused call, closed-form override rows.
+"""Torch SDPA backend (CPU and CUDA): paged gather, one fused call, two ways to build COVER's
+override rows.
 
-On CPU the fused flash kernel also returns each row's log-sum-exp, which is all the override
-correction needs; elsewhere the LSE of the override rows is computed explicitly (cheap: |S| rows).
-Extra rows (WINO's shadow block) run as a second fused call over [canvas keys, their own keys]
-with their boolean allowed mask.
+* `closed_form`: attend with the cached K/V at the override positions, then correct each
+  predictor row with the closed-form formula (attention/correction.py) from its log-sum-exp.
+  On CPU the fused flash kernel returns the LSE; elsewhere the LSE of the override rows is
+  computed explicitly (cheap: |S| rows). About 25 small tensor ops per layer.
+* `mask`: append each sequence's override positions' fresh K/V as extra key columns and give
+  the fused call a per-row mask (`AttentionMetadata.override_bias`) in which a predictor row
+  sees its seed's fresh column instead of the cached one. The same two views in the same one
+  call, exact without any correction, in six ops per layer; it needs a kernel that takes a
+  full [Q, K] mask, which torch's CPU flash kernel does.
+
+`auto` (the default) is `mask` on CPU and `closed_form` elsewhere. Extra rows (WINO's shadow
+block) run as a second fused call over [canvas keys, their own keys] with their boolean allowed
+mask.
 """
 
 from __future__ import annotations
@@ -18,14 +28,33 @@ from cover_vllm.attention.correction import (apply_override_correction, expand_k
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+OVERRIDE_MODES = ("auto", "mask", "closed_form")
+
+
 class SDPABackend(AttentionBackend):
     name = "sdpa"
+
+    def __init__(self, override: str = "auto"):
+        if override not in OVERRIDE_MODES:
+            raise ValueError(f"override={override!r}; choose one of {list(OVERRIDE_MODES)}")
+        self.override = override
+
+    def _mask_overrides(self, q: torch.Tensor) -> bool:
+        return self.override == "mask" or (self.override == "auto" and q.device.type == "cpu")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         b, q_max = meta.q_index.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         qp = q[meta.q_index].transpose(1, 2)                   # [B, H, Qmax, d]
+        if meta.num_overrides and self._mask_overrides(q):
+            fresh = meta.ov_fresh.flatten()
+            shape = (*meta.ov_fresh.shape, *k.shape[1:])                    # [B, Smax, Hkv, d]
+            kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
+            vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.override_bias(q.dtype),
+                                               enable_gqa=num_heads != k.shape[1])
+            return o.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[meta.out_index]
         kp, vp = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Kmax, d]
         lse = None
         if q.device.type == "cpu" and meta.num_overrides:

@@ -12,6 +12,7 @@ without their seeds: the cost of verification over identical windows.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 import time
@@ -21,6 +22,7 @@ import torch
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.strategies import BlockState, make_params, strategy_class
 
 PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
@@ -80,8 +82,10 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
 
     Records every window step (one request at a time) that verified seeds, then replays each one
     `replays` times through the executor as recorded and with its seeds stripped (the same
-    window, tokens and view, so the only difference is the override + correction and the
-    statistics). The cache contents the replays write are not read back by anything.
+    window, tokens and view, so the only difference is the override views and the statistics).
+    The cache contents the replays write are not read back by anything. A *step* adds the
+    decision on the recorded logits: the strategy's own `decide` (its per-request state restored
+    before each replay) against `threshold`'s at the same draft threshold.
     """
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
@@ -92,42 +96,103 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     rows = []
     for kv in spec.kv_caches:
         sp = work.params(spec, decoding, kv)
-        recorded = []
-        run = executor.execute_model
-        executor.execute_model = lambda out: recorded.append(out) or run(out)
-        try:
-            for prompt in work.prompts[:repeats]:            # one request at a time, as above
-                llm.generate([prompt], sp, use_tqdm=False)
-        finally:
-            executor.execute_model = run
-        steps = [o for o in recorded if any(i.override for i in o.items)
-                 and (kv == "none" or not any(i.is_refresh for i in o.items))]
+        recorded = _record_steps(llm, decoding, lambda: [llm.generate([p], sp, use_tqdm=False)
+                                                         for p in work.prompts[:repeats]])
+        steps = [(out, dec) for out, dec in recorded if any(i.override for i in out.items)
+                 and (kv == "none" or not any(i.is_refresh for i in out.items))]
         if not steps:
             continue
-        plain = [_without_verification(o) for o in steps]
-        for out in steps[:2] + plain[:2]:                                  # warm-up
-            run(out)
-        with_v, without_v = [], []
+        replay = [_Replay(out, *dec) for out, dec in steps]
+        for r in replay[:2]:                                                 # warm-up
+            r.step(executor.execute_model, True)
+            r.step(executor.execute_model, False)
+        times = {(v, part): [] for v in (True, False) for part in ("forward", "decide")}
         for _ in range(replays):
-            for a, b in zip(steps, plain):
-                for out, times in ((a, with_v), (b, without_v)):
-                    start = time.perf_counter()
-                    run(out)
-                    times.append(time.perf_counter() - start)
-        seeds = statistics.mean(sum(len(i.override) for i in o.items) for o in steps)
-        rows.append({"decoding": decoding, "kv_cache": kv, "steps": len(steps),
+            for r in replay:
+                for verify in (True, False):
+                    forward_s, decide_s = r.step(executor.execute_model, verify)
+                    times[verify, "forward"].append(forward_s)
+                    times[verify, "decide"].append(decide_s)
+        mean = {key: statistics.mean(v) for key, v in times.items()}
+        step = {v: mean[v, "forward"] + mean[v, "decide"] for v in (True, False)}
+        seeds = statistics.mean(sum(len(i.override) for i in r.out.items) for r in replay)
+        rows.append({"decoding": decoding, "kv_cache": kv, "steps": len(replay),
                      "seeds_per_step": seeds,
-                     "forward_ms": 1e3 * statistics.mean(with_v),
-                     "forward_without_seeds_ms": 1e3 * statistics.mean(without_v),
-                     "ratio": statistics.mean(with_v) / statistics.mean(without_v)})
+                     "forward_ms": 1e3 * mean[True, "forward"],
+                     "forward_without_seeds_ms": 1e3 * mean[False, "forward"],
+                     "ratio": mean[True, "forward"] / mean[False, "forward"],
+                     "decide_ms": 1e3 * mean[True, "decide"],
+                     "threshold_decide_ms": 1e3 * mean[False, "decide"],
+                     "step_ms": 1e3 * step[True], "step_without_seeds_ms": 1e3 * step[False],
+                     "step_ratio": step[True] / step[False]})
     return rows
+
+
+def _record_steps(llm: LLM, decoding: str, generate) -> list[tuple]:
+    """Run `generate()` (one request at a time), recording each step's SchedulerOutput with its
+    decision: (strategy, StepBatch, each request's state copied before the decision)."""
+    executor, outs, decisions = llm.engine.executor, [], []
+    run, cls = executor.execute_model, strategy_class(decoding)
+    own = vars(cls).get("decide")                 # None: the class inherits `decide`
+    original = cls.decide
+
+    def decide(self, batch):
+        decisions.append((self, batch, [copy.deepcopy(st.extra) for st in batch.states]))
+        return original(self, batch)
+
+    executor.execute_model = lambda out: outs.append(out) or run(out)
+    cls.decide = decide
+    try:
+        generate()
+    finally:
+        executor.execute_model = run
+        if own is None:
+            del cls.decide
+        else:
+            cls.decide = own
+    assert len(outs) == len(decisions), "one decision per recorded step (one request at a time)"
+    return list(zip(outs, decisions))
+
+
+class _Replay:
+    """One recorded window step, replayable as recorded (seeds, the strategy's decide) or
+    without verification (no seeds or statistics, `threshold`'s decide at the same bar)."""
+
+    def __init__(self, out, strategy, batch, saved_states):
+        self.out, self.plain_out = out, _without_verification(out)
+        self.strategy, self.batch, self.saved = strategy, batch, saved_states
+        bar = getattr(strategy.params, "draft_threshold", None)
+        self.threshold = strategy_class("threshold")(
+            make_params("threshold", None if bar is None else {"threshold": bar}), strategy.spec)
+        states = [BlockState(block_steps=st.block_steps) for st in batch.states]
+        for st, n in zip(states, batch.candidates.sum(-1).tolist()):
+            self.threshold.start_block(st, n)
+        self.plain_batch = dataclasses.replace(batch, seeds=None, drift=None, attn_in=None,
+                                               states=states)
+
+    def step(self, execute, verify: bool) -> tuple[float, float]:
+        """(forward seconds, decide seconds) of one replay."""
+        if verify:
+            for st, saved in zip(self.batch.states, self.saved):
+                st.extra = copy.deepcopy(saved)
+        start = time.perf_counter()
+        execute(self.out if verify else self.plain_out)
+        mid = time.perf_counter()
+        if verify:
+            self.strategy.decide(self.batch)
+        else:
+            self.threshold.decide(self.plain_batch)
+        return mid - start, time.perf_counter() - mid
 
 
 def format_verification(rows: list[dict]) -> str:
     lines = ["| decoding | kv_cache | steps | seeds/step | forward ms | same window, no seeds ms"
-             " | ratio |", "|---|---|---|---|---|---|---|"]
+             " | ratio | step ms (+ decide) | threshold step ms | step ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['decoding']} | {r['kv_cache']} | {r['steps']} | "
                      f"{r['seeds_per_step']:.1f} | {r['forward_ms']:.3f} | "
-                     f"{r['forward_without_seeds_ms']:.3f} | {r['ratio']:.3f} |")
+                     f"{r['forward_without_seeds_ms']:.3f} | {r['ratio']:.3f} | "
+                     f"{r['step_ms']:.3f} | {r['step_without_seeds_ms']:.3f} | "
+                     f"{r['step_ratio']:.3f} |")
     return "\n".join(lines)

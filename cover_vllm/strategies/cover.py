@@ -90,7 +90,64 @@ def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
-    return x.detach().cpu().numpy()
+    return x.cpu().numpy()            # strategies run without autograd (engine inference mode)
+
+
+@dataclass
+class _Seeds:
+    """The seeds of one step as flat arrays [S] (request-major, positions ascending): where
+    they are, their leave-one-out verdict inputs, and the verdicts `Cover._judge` fills in."""
+
+    req: np.ndarray               # request row
+    pos: np.ndarray               # view position
+    token: np.ndarray             # committed token
+    best: np.ndarray              # leave-one-out argmax
+    conf: np.ndarray              # its probability
+    own: np.ndarray               # the committed token's leave-one-out probability
+    keep: np.ndarray = None       # verdicts (bool [S]); a deferred seed keeps its token and
+    deferred: np.ndarray = None   # counts as unchecked
+    replace: np.ndarray = None
+    remask: np.ndarray = None
+
+    @classmethod
+    def of(cls, batch: StepBatch, probs: torch.Tensor) -> "_Seeds":
+        if batch.seeds is None:
+            req = pos = torch.zeros(0, dtype=torch.long)
+        else:
+            req, pos = batch.seeds.nonzero(as_tuple=True)
+        rows = probs[req, pos]                                       # [S, V]
+        token = batch.tokens[req, pos]
+        conf, best = rows.max(-1)
+        own = rows.gather(-1, token[:, None])[:, 0]
+        req, pos, token, best = _np(torch.stack((req, pos, token, best)))
+        conf, own = _np(torch.stack((conf, own)))
+        none = np.zeros(len(req), dtype=bool)
+        return cls(req, pos, token, best, conf, own, keep=none, deferred=none, replace=none,
+                   remask=none)
+
+    def least_likely(self, mask: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Within `mask`, the k[request] seeds of each request with the lowest own-token
+        probability (ties: lower position first)."""
+        idx = np.flatnonzero(mask)
+        order = idx[np.lexsort((self.own[idx], self.req[idx]))]
+        group = self.req[order]
+        rank = np.arange(len(order)) - np.searchsorted(group, group)
+        out = np.zeros_like(mask)
+        out[order[rank < k[group]]] = True
+        return out
+
+    def where(self, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.req[m]), torch.from_numpy(self.pos[m])
+
+    def mask(self, m: np.ndarray, shape) -> torch.Tensor:
+        """[n, W] bool torch mask of the seeds in m."""
+        return torch.from_numpy(self.grid(m, shape))
+
+    def grid(self, values: np.ndarray, shape, fill=False) -> np.ndarray:
+        """Seed values (bool or float [S]) placed on the [n, W] view grid."""
+        out = np.full(shape, fill, dtype=values.dtype)
+        out[self.req, self.pos] = values
+        return out
 
 
 class Cover(Strategy):
@@ -175,65 +232,76 @@ class Cover(Strategy):
     # ---- after the forward -----------------------------------------------------------------
     def decide(self, batch: StepBatch) -> Decision:
         p = self.params
+        n = batch.tokens.shape[0]
         draft_tokens, logits = propose(batch)
         probs = torch.softmax(logits.to(torch.float64), dim=-1)
-        conf, best = probs.max(dim=-1)                                   # [n, W]
         cand_conf = probs.gather(-1, draft_tokens[..., None])[..., 0]    # = threshold's float64
         cand_conf = cand_conf.masked_fill(~batch.candidates, float("-inf"))
-        draft = topk_mask(cand_conf, torch.ones(conf.shape[0], dtype=torch.long))
+        draft = topk_mask(cand_conf, torch.ones(n, dtype=torch.long))
         draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)
         if p.max_draft is not None:
-            draft &= topk_mask(cand_conf, torch.full((conf.shape[0],), p.max_draft))
-
-        seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
-        p_own = probs.gather(-1, batch.tokens.clamp(max=probs.shape[-1] - 1)[..., None])[..., 0]
-        agree = best == batch.tokens
-        keep = seeds & agree & (p_own >= p.keep_min)
-        replace = remask = deferred = torch.zeros_like(draft)
-        revise = seeds & ~keep
-        if bool(revise.any()):
-            # Revise at most max_revise seeds per step, the least likely own tokens first. Each
-            # seed's check assumed every other seed keeps its token, so two revisions in one
-            # step can contradict each other (two cells of a row both taking the missing
-            # digit); the rest are kept for now and checked again (`deferred`).
-            if p.max_revise is not None:
-                first = topk_mask((-p_own).masked_fill(~revise, float("-inf")),
-                                  torch.full((revise.shape[0],), p.max_revise))
-                deferred, revise = revise & ~first, first
-            tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
-            replace = revise & ~agree & (conf >= tau_rep)
-            remask = revise & ~replace
-            # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks, the least
-            # likely own tokens first, so a verification-only step (no [MASK] left) never
-            # remasks. A seed the guard holds back is replaced by its leave-one-out argmax if
-            # that is at least held_replace_min likely (the check found it likelier than the
-            # seed's own token, and a replacement costs no progress); otherwise it is kept for
-            # now and checked again.
-            allowed = (draft.sum(-1) - 1).clamp(min=0)
-            guarded = topk_mask((-p_own).masked_fill(~remask, float("-inf")), allowed)
-            held = remask & ~guarded
-            swap = held & ~agree & (conf >= p.held_replace_min)
-            replace = replace | swap
-            deferred = deferred | (held & ~swap)
-            remask = guarded
-        tokens = torch.where(replace, best, draft_tokens) if bool(replace.any()) else draft_tokens
-        self._update_memory(batch, draft, keep, deferred, replace, remask, conf, p_own)
+            draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
+        drafted = _np(draft.sum(-1))
+        seeds = self._judge(batch, probs, drafted)
+        tokens = draft_tokens
+        if seeds.replace.any():
+            tokens = draft_tokens.clone()
+            tokens[seeds.where(seeds.replace)] = torch.from_numpy(seeds.best[seeds.replace])
+        replace, remask = seeds.mask(seeds.replace, draft.shape), seeds.mask(seeds.remask,
+                                                                              draft.shape)
+        self._update_memory(batch, draft, cand_conf, drafted, seeds)
+        per_request = lambda m: torch.from_numpy(                        # noqa: E731
+            np.bincount(seeds.req[m], minlength=n).astype(np.int64))
         return Decision(commit=draft, tokens=tokens, remask=remask, replace=replace,
-                        keeps=(keep | deferred).sum(-1), verified=seeds.sum(-1))
+                        keeps=per_request(seeds.keep | seeds.deferred),
+                        verified=per_request(np.ones_like(seeds.keep)))
 
-    def _update_memory(self, batch: StepBatch, draft, keep, deferred, replace, remask, conf,
-                       p_own):
+    def _judge(self, batch: StepBatch, probs: torch.Tensor, drafted: np.ndarray) -> "_Seeds":
+        """Keep / Replace / ReMask for every seed of the batch (§1.8), on the seeds' rows only."""
+        p = self.params
+        seeds = _Seeds.of(batch, probs)
+        agree = seeds.best == seeds.token
+        seeds.keep = agree & (seeds.own >= p.keep_min)
+        revise = ~seeds.keep
+        if not revise.any():
+            return seeds
+        # Revise at most max_revise seeds per request and step, the least likely own tokens
+        # first. Each seed's check assumed every other seed keeps its token, so two revisions in
+        # one step can contradict each other (two cells of a row both taking the missing
+        # digit); the rest are kept for now and checked again (`deferred`).
+        if p.max_revise is not None:
+            first = seeds.least_likely(revise, np.full(len(drafted), p.max_revise))
+            seeds.deferred, revise = revise & ~first, first
+        tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
+        replace = revise & ~agree & (seeds.conf >= tau_rep)
+        remask = revise & ~replace
+        # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
+        # least likely own tokens first, so a verification-only step (no [MASK] left) never
+        # remasks. A seed the guard holds back is replaced by its leave-one-out argmax if that
+        # is at least held_replace_min likely (the check found it likelier than the seed's own
+        # token, and a replacement costs no progress); otherwise it is kept and checked again.
+        guarded = seeds.least_likely(remask, np.maximum(drafted - 1, 0))
+        held = remask & ~guarded
+        swap = held & ~agree & (seeds.conf >= p.held_replace_min)
+        seeds.replace, seeds.remask = replace | swap, guarded
+        seeds.deferred = seeds.deferred | (held & ~swap)
+        return seeds
+
+    def _update_memory(self, batch: StepBatch, draft: torch.Tensor, draft_conf: torch.Tensor,
+                       drafted: np.ndarray, seeds: "_Seeds"):
         """Advance every request's per-position memory (block positions) at once. A deferred
         seed keeps its token but counts as never checked, so the block does not end before its
         check passes."""
         p = self.params
-        n, width = batch.tokens.shape
+        shape = n, width = tuple(batch.tokens.shape)
         blk = _np(batch.in_block)
-        seeds = batch.seeds if batch.seeds is not None else torch.zeros_like(draft)
-        fresh_t = draft | replace | remask
-        draft, keep, deferred, replace, remask, seeds, fresh = (
-            _np(x) for x in (draft, keep, deferred, replace, remask, seeds, fresh_t))
-        visible = _np(~batch.masked & batch.valid) & ~seeds
+        draft = _np(draft)
+        keep, deferred, replace, remask, checked = (
+            seeds.grid(m, shape) for m in (seeds.keep, seeds.deferred, seeds.replace,
+                                          seeds.remask, np.ones_like(seeds.keep)))
+        fresh = draft | replace | remask
+        tokens, valid = _np(batch.tokens), _np(batch.valid)
+        visible = valid & (tokens != batch.mask_id) & ~checked
         m = np.zeros((n, _ROWS, width))                              # [n, 6, W]
         mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
         for i, mem in enumerate(mems):
@@ -246,15 +314,17 @@ class Cover(Strategy):
         if batch.attn_in is not None:
             m[:, ATTN_IN] = _np(batch.attn_in)
         changed = fresh.sum(-1, keepdims=True)           # [n, 1] positions changed this step
-        checked = seeds & ~deferred & ~fresh
+        judged = keep                                    # checked now, token confirmed
         m[:, STALE] = np.where(fresh, changed > 1,
-                               np.where(checked, changed > 0, np.maximum(stale, changed > 0)))
+                               np.where(judged, changed > 0, np.maximum(stale, changed > 0)))
         m[:, AGE] = np.where(fresh, 0.0, age + visible)
         m[:, DRIFT] = np.where(fresh, 0.0, drift)
-        m[:, CHECKS] = np.where(fresh | deferred, 0.0, checks + seeds)
-        m[:, CONF] = np.where(keep | deferred, _np(p_own),
-                              np.where(draft | replace, _np(conf), last_conf))
-        num_seeds, hits, drafted = seeds.sum(-1), (replace | remask).sum(-1), draft.sum(-1)
+        m[:, CHECKS] = np.where(fresh | deferred, 0.0, checks + checked)
+        own, conf = seeds.grid(seeds.own, shape, 0.0), seeds.grid(seeds.conf, shape, 0.0)
+        m[:, CONF] = np.where(keep | deferred, own,
+                              np.where(draft, _np(draft_conf), np.where(replace, conf, last_conf)))
+        num_seeds = np.bincount(seeds.req, minlength=n)
+        hits = np.bincount(seeds.req[seeds.replace | seeds.remask], minlength=n)
         for i, (mem, st) in enumerate(zip(mems, batch.states)):
             mem[:] = m[i][:, blk[i]]
             extra = st.extra

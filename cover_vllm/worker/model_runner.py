@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
-from cover_vllm.attention.base import gather_pages
 from cover_vllm.scheduler.output import EmbedEdit, SchedulerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
@@ -46,9 +45,9 @@ class _Stats:
     """Collects drift and attention in-mass on one layer during the forward."""
 
     def __init__(self, layer: int, rows: torch.Tensor, num_tokens: int):
-        self.layer, self.rows = layer, rows
+        self.layer, self.rows, self.any_rows = layer, rows, bool(rows.any())
         self.drift = torch.zeros(num_tokens)
-        self.attn_in: torch.Tensor | None = None     # [B, Kmax]
+        self.attn_in: torch.Tensor | None = None     # [B, Kmax]; None: no masked row
 
 
 class ModelRunner:
@@ -109,12 +108,11 @@ class ModelRunner:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if stats is None or layer != stats.layer:
                 return backend.forward(q, k, v, cache.layer(layer), meta)
-            k_cache = cache.k[layer]
-            old = k_cache[meta.write_slots]
-            o = backend.forward(q, k, v, cache.layer(layer), meta)
+            old = cache.k[layer].index_select(0, meta.write_slots)
+            o, keys = backend.forward(q, k, v, cache.layer(layer), meta, return_keys=True)
             stats.drift[meta.write_index] = key_drift(k[meta.write_index], old)
-            stats.attn_in = attention_in_mass(q, gather_pages(k_cache, meta.key_slots), meta,
-                                              stats.rows)
+            if stats.any_rows:                 # else no row is still masked: no mass to measure
+                stats.attn_in = attention_in_mass(q, keys, meta, stats.rows)
             return o
 
         embeds = self.model.embed(ids)
@@ -147,7 +145,9 @@ class ModelRunner:
             view = slice(item.view_start - item.window_start, item.view_end - item.window_start)
             if item.want_stats:
                 drift.append(stats.drift[offset:offset + item.window_len][view])
-                attn_in.append(stats.attn_in[seq, item.view_start:item.view_end])
+                attn_in.append(torch.zeros(item.view_end - item.view_start)
+                               if stats.attn_in is None
+                               else stats.attn_in[seq, item.view_start:item.view_end])
             else:
                 drift.append(None)
                 attn_in.append(None)
