@@ -36,9 +36,9 @@ SETTINGS = [
     ["cover", {"draft_threshold": 0.9, "final_verify_below": 0.99, "k_min": 16}],
     ["cover", {"draft_threshold": 0.9, "final_verify_below": 1.0, "k_min": 16}],
     # the same without this round's revision rules: revise every disagreeing seed at once, and
-    # keep (rather than replace) a seed the progress guard holds back
+    # replace only at the draft bar (else remask, or keep when the guard forbids it)
     ["cover", {"draft_threshold": 0.9, "final_verify_below": 1.0, "k_min": 16,
-               "max_revise": None, "held_replace_min": 1.0}],
+               "max_revise": None, "replace_threshold": None}],
 ]
 
 

@@ -121,10 +121,11 @@ def _row(top, p, others=None):
 
 def test_keep_replace_remask_and_the_progress_guard():
     # positions 0-2 committed seeds, 3-5 masked; the LOO rows of the seeds say:
-    # 0: agrees (Keep); 1: another token at 0.98 (Replace); 2: another token at 0.6 (ReMask)
+    # 0: agrees (Keep); 1: another token at 0.98 (Replace); 2: another token at 0.45, nothing
+    # by majority (ReMask)
     tokens = [1, 2, 3, 9, 9, 9]
     seeds = [True, True, True, False, False, False]
-    probs = [_row(1, 0.9), _row(5, 0.98), _row(6, 0.6, {3: 0.3}),
+    probs = [_row(1, 0.9), _row(5, 0.98), _row(6, 0.45, {3: 0.3}),
              _row(4, 0.99), _row(4, 0.99), _row(7, 0.5)]
     every = {"max_revise": None}
     d = _decide_one(tokens, seeds, probs, every)
@@ -133,18 +134,25 @@ def test_keep_replace_remask_and_the_progress_guard():
     assert d.remask[0].tolist() == [False, False, True, False, False, False]
     assert d.tokens[0, 1] == 5                                   # replaced in place
     assert d.commit[0].tolist() == [False, False, False, True, True, False]   # 0.99 >= 0.97
-    # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 is replaced by its
-    # leave-one-out argmax (6 at 0.6 beats its own 3 at 0.3) instead of being remasked
-    probs[4] = _row(4, 0.5)
+    # replace_threshold (default 0.5) is the bar: at 0.6 seed 2 is replaced too; with the bar
+    # at draft_threshold (null) it is remasked
+    probs[2] = _row(6, 0.6, {3: 0.3})
     d = _decide_one(tokens, seeds, probs, every)
-    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [1]
     assert d.replace[0].tolist() == [False, True, True, False, False, False]
-    assert d.tokens[0, 1:3].tolist() == [5, 6]
+    assert d.tokens[0, 1:3].tolist() == [5, 6] and not d.remask.any()
+    d = _decide_one(tokens, seeds, probs, every | {"replace_threshold": None})
+    assert d.remask[0].tolist() == [False, False, True, False, False, False]
+    # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 keeps its token
+    # for now (counted as unchecked, see below)
+    probs[4] = _row(4, 0.5)
+    d = _decide_one(tokens, seeds, probs, every | {"replace_threshold": None})
+    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [2]
+    assert d.replace[0].tolist() == [False, True, False, False, False, False]
     # a verification-only step (no [MASK] left) drafts nothing: it keeps or replaces, never
     # remasks (every such remask on cover-tiny was a flip-flop)
-    d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs, every)
-    assert not d.commit.any() and not d.remask.any()
-    assert d.replace[0].tolist() == [False, True, True, False, False, False]
+    d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs,
+                    every | {"replace_threshold": None})
+    assert not d.commit.any() and not d.remask.any() and d.keeps.tolist() == [2]
 
 
 def test_one_revision_per_step_and_the_rest_deferred():

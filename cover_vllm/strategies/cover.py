@@ -27,9 +27,9 @@ from cover_vllm.strategies.sampling import topk_mask
 class CoverParams(StrategyParams):
     draft_threshold: float = 0.97         # τ_draft: commit masked positions at least this sure
     max_draft: int | None = None          # B: cap on drafts per step (None: no cap)
-    replace_threshold: float | None = None   # τ_rep (None: τ_draft)
-    held_replace_min: float = 0.5         # a remask the guard holds back is replaced if the
-                                          # leave-one-out argmax is at least this likely
+    replace_threshold: float | None = 0.5    # τ_rep: a seed whose leave-one-out argmax is
+                                             # another token at least this likely is replaced
+                                             # in place (None: τ_draft)
     keep_min: float = 0.0                 # τ_keep_min: argmax agrees but less sure -> ReMask
     w_uncertainty: float = 0.5            # stability score weights (additive)
     w_influence: float = 0.25
@@ -51,8 +51,7 @@ class CoverParams(StrategyParams):
     max_verify_steps: int = 4             # ... or after this many steps without masks left
 
     def __post_init__(self) -> None:
-        for name in ("draft_threshold", "keep_min", "held_replace_min", "drift_beta",
-                     "hit_high", "hit_low"):
+        for name in ("draft_threshold", "keep_min", "drift_beta", "hit_high", "hit_low"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"decoding_params.{name} must be in [0, 1]")
         if self.final_verify_below is not None and not 0.0 <= self.final_verify_below <= 1.0:
@@ -272,19 +271,18 @@ class Cover(Strategy):
         if p.max_revise is not None:
             first = seeds.least_likely(revise, np.full(len(drafted), p.max_revise))
             seeds.deferred, revise = revise & ~first, first
+        # Replace when the check prefers another token by majority (changed in place: no
+        # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =
+        # 0.5 rather than τ_draft: on cover-tiny the remasks τ_draft left were 3 in 4 flip-flops
+        # and replacing them instead cost no accuracy (docs/benchmarks.md).
         tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
-        replace = revise & ~agree & (seeds.conf >= tau_rep)
-        remask = revise & ~replace
+        seeds.replace = revise & ~agree & (seeds.conf >= tau_rep)
+        remask = revise & ~seeds.replace
         # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
         # least likely own tokens first, so a verification-only step (no [MASK] left) never
-        # remasks. A seed the guard holds back is replaced by its leave-one-out argmax if that
-        # is at least held_replace_min likely (the check found it likelier than the seed's own
-        # token, and a replacement costs no progress); otherwise it is kept and checked again.
-        guarded = seeds.least_likely(remask, np.maximum(drafted - 1, 0))
-        held = remask & ~guarded
-        swap = held & ~agree & (seeds.conf >= p.held_replace_min)
-        seeds.replace, seeds.remask = replace | swap, guarded
-        seeds.deferred = seeds.deferred | (held & ~swap)
+        # remasks. A seed it holds back keeps its token for now and is checked again.
+        seeds.remask = seeds.least_likely(remask, np.maximum(drafted - 1, 0))
+        seeds.deferred = seeds.deferred | (remask & ~seeds.remask)
         return seeds
 
     def _update_memory(self, batch: StepBatch, draft: torch.Tensor, draft_conf: torch.Tensor,
