@@ -4,10 +4,13 @@ ALGORITHMS.md §1 (arXiv 2602.06161; formulas beyond the abstract are reconstruc
 Before each forward `select_seeds` picks committed block tokens whose cached K/V hold their
 visible version (age >= 1), ranked by a stability score (uncertainty, attention in-mass from
 still-masked rows, key drift; §1.6) with an adaptive budget (§1.7). The engine masks the seeds in
-the input and serves their cached K/V to every other row; each seed's predictor row gets the
-closed-form correction, so one forward yields both the drafts and each seed's leave-one-out
-prediction. `decide` then drafts masked positions (threshold rule, §1.3 step 5) and gives every
-seed Keep / Replace / ReMask (§1.8) under the progress guard ReMask <= drafted - 1.
+the input and serves their cached K/V to every other row; each seed's predictor row sees the
+seed's fresh (masked) K/V instead (the attention backend's override views), so one forward
+yields both the drafts and each seed's leave-one-out prediction. `decide` then drafts masked
+positions (threshold rule, §1.3 step 5) and gives every seed Keep / Replace / ReMask (§1.8):
+Replace when the check prefers another token by majority, at most `max_revise` revisions per
+step, ReMask under the progress guard ReMask <= drafted - 1. A block ends when no token judged
+below `final_verify_below` has gone stale (its context changed after it was judged).
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ class CoverParams(StrategyParams):
 
 
 # Rows of a request's per-position memory, a float64 numpy array [6, block length] (counters
-# and flags hold integers). It is host-side bookkeeping of a few dozen numbers per request, where
-# numpy's per-call cost is a fraction of torch's; the decision math stays in torch. STALE: another position changed since this token was last judged (drafted,
-# replaced or kept by a check), so a check now would see a context that judgement did not.
+# and flags hold integers): host-side bookkeeping of a few dozen numbers per request, where
+# numpy's per-call cost is a fraction of torch's. STALE: another position changed since this
+# token was last judged (drafted, replaced or kept by a check), so a check now would see a
+# context that judgement did not.
 AGE, CHECKS, CONF, DRIFT, ATTN_IN, STALE = range(6)
 _ROWS = 6
 
@@ -103,10 +107,10 @@ class _Seeds:
     best: np.ndarray              # leave-one-out argmax
     conf: np.ndarray              # its probability
     own: np.ndarray               # the committed token's leave-one-out probability
-    keep: np.ndarray = None       # verdicts (bool [S]); a deferred seed keeps its token and
-    deferred: np.ndarray = None   # counts as unchecked
-    replace: np.ndarray = None
-    remask: np.ndarray = None
+    keep: np.ndarray              # verdicts, bool [S] (all False until judged); a deferred
+    deferred: np.ndarray          # seed keeps its token and counts as unchecked
+    replace: np.ndarray
+    remask: np.ndarray
 
     @classmethod
     def of(cls, batch: StepBatch, probs: torch.Tensor) -> "_Seeds":
@@ -121,8 +125,7 @@ class _Seeds:
         req, pos, token, best = _np(torch.stack((req, pos, token, best)))
         conf, own = _np(torch.stack((conf, own)))
         none = np.zeros(len(req), dtype=bool)
-        return cls(req, pos, token, best, conf, own, keep=none, deferred=none, replace=none,
-                   remask=none)
+        return cls(req, pos, token, best, conf, own, none, none, none, none)
 
     def least_likely(self, mask: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Within `mask`, the k[request] seeds of each request with the lowest own-token
@@ -168,10 +171,10 @@ class Cover(Strategy):
         state.extra.update(mem=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
 
     def block_done(self, state: BlockState, num_masked: int) -> bool:
-        """Done when no [MASK] is left and every token committed less sure than
-        `final_verify_below` was verified since (bounded by max_verify_steps mask-free steps):
-        drafts from the last draft step need one forward with them visible before their cached
-        K/V can serve a leave-one-out check."""
+        """Done when no [MASK] is left and no token judged less sure than `final_verify_below`
+        is stale (`_unverified`), or after max_verify_steps mask-free steps. Drafts from the
+        last draft step need one forward with them visible before their cached K/V can serve
+        a leave-one-out check."""
         if num_masked > 0:
             return False
         extra, mem = state.extra, state.extra.get("mem")
