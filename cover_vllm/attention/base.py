@@ -136,10 +136,9 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
         ov_col=as_long(ov_col), ov_key=as_long([i * k_max + c for i, c in zip(ov_seq, ov_col)]),
-        ov_slot=as_long(ov_slot),
-        ov_rows=ov_rows, ov_inverse=ov_inverse, ov_extra=as_long(ov_extra),
-        ov_fresh=ov_fresh.to(device), num_overrides=len(ov_src), ex_index=ex_index.to(device), ex_out=ex_out.to(device),
-        ex_allowed=ex_allowed.to(device))
+        ov_slot=as_long(ov_slot), ov_rows=ov_rows, ov_inverse=ov_inverse,
+        ov_extra=as_long(ov_extra), ov_fresh=ov_fresh.to(device), num_overrides=len(ov_src),
+        ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device))
 
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
