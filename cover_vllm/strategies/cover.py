@@ -138,9 +138,6 @@ class _Seeds:
         out[order[rank < k[group]]] = True
         return out
 
-    def where(self, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(self.req[m]), torch.from_numpy(self.pos[m])
-
     def mask(self, m: np.ndarray, shape) -> torch.Tensor:
         """[n, W] bool torch mask of the seeds in m."""
         return torch.from_numpy(self.grid(m, shape))
@@ -248,7 +245,8 @@ class Cover(Strategy):
         tokens = draft_tokens
         if seeds.replace.any():
             tokens = draft_tokens.clone()
-            tokens[seeds.where(seeds.replace)] = torch.from_numpy(seeds.best[seeds.replace])
+            tokens[seeds.mask(seeds.replace, tokens.shape)] = torch.from_numpy(
+                seeds.best[seeds.replace])
         replace, remask = seeds.mask(seeds.replace, draft.shape), seeds.mask(seeds.remask,
                                                                               draft.shape)
         self._update_memory(batch, draft, cand_conf, drafted, seeds)
@@ -315,9 +313,9 @@ class Cover(Strategy):
         if batch.attn_in is not None:
             m[:, ATTN_IN] = _np(batch.attn_in)
         changed = fresh.sum(-1, keepdims=True)           # [n, 1] positions changed this step
-        judged = keep                                    # checked now, token confirmed
+        # a kept seed was judged now: stale only if something else changed in this same step
         m[:, STALE] = np.where(fresh, changed > 1,
-                               np.where(judged, changed > 0, np.maximum(stale, changed > 0)))
+                               np.where(keep, changed > 0, np.maximum(stale, changed > 0)))
         m[:, AGE] = np.where(fresh, 0.0, age + visible)
         m[:, DRIFT] = np.where(fresh, 0.0, drift)
         m[:, CHECKS] = np.where(fresh | deferred, 0.0, checks + checked)
