@@ -109,6 +109,11 @@ def _decide_one(tokens, seeds, probs, params=None, strategy=None, state=None):
     return strategy.decide(batch)
 
 
+def _none(mask):
+    """No position set: `decide` returns None for a remask/replace mask with nothing in it."""
+    return mask is None or not bool(mask.any())
+
+
 def _row(top, p, others=None):
     """A distribution over 10 tokens with p on `top` and the rest spread (or on `others`)."""
     row = [1e-6] * 10
@@ -139,20 +144,20 @@ def test_keep_replace_remask_and_the_progress_guard():
     probs[2] = _row(6, 0.6, {3: 0.3})
     d = _decide_one(tokens, seeds, probs, every)
     assert d.replace[0].tolist() == [False, True, True, False, False, False]
-    assert d.tokens[0, 1:3].tolist() == [5, 6] and not d.remask.any()
+    assert d.tokens[0, 1:3].tolist() == [5, 6] and _none(d.remask)
     d = _decide_one(tokens, seeds, probs, every | {"replace_threshold": None})
     assert d.remask[0].tolist() == [False, False, True, False, False, False]
     # one draft only: the guard allows max(0, 1 - 1) = 0 remasks, so seed 2 keeps its token
     # for now (counted as unchecked, see below)
     probs[4] = _row(4, 0.5)
     d = _decide_one(tokens, seeds, probs, every | {"replace_threshold": None})
-    assert d.commit[0].sum() == 1 and not d.remask.any() and d.keeps.tolist() == [2]
+    assert d.commit[0].sum() == 1 and _none(d.remask) and d.keeps.tolist() == [2]
     assert d.replace[0].tolist() == [False, True, False, False, False, False]
     # a verification-only step (no [MASK] left) drafts nothing: it keeps or replaces, never
     # remasks (every such remask on cover-tiny was a flip-flop)
     d = _decide_one([1, 2, 3, 4, 4, 7], [True, True, True, False, False, False], probs,
                     every | {"replace_threshold": None})
-    assert not d.commit.any() and not d.remask.any() and d.keeps.tolist() == [2]
+    assert not d.commit.any() and _none(d.remask) and d.keeps.tolist() == [2]
 
 
 def test_one_revision_per_step_and_the_rest_deferred():
@@ -168,7 +173,7 @@ def test_one_revision_per_step_and_the_rest_deferred():
     state.extra["mem"][1] = [2.0, 2.0, 2.0, 0, 0, 0]        # CHECKS
     d = _decide_one(tokens, seeds, probs, strategy=strategy, state=state)
     assert d.replace[0].tolist() == [False, True, False, False, False, False]
-    assert not d.remask.any() and d.keeps.tolist() == [2]
+    assert _none(d.remask) and d.keeps.tolist() == [2]
     checks = state.extra["mem"][1].tolist()
     assert checks[0] == 3 and checks[2] == 0                    # kept seed counted, deferred not
 

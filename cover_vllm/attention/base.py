@@ -51,8 +51,6 @@ class AttentionMetadata:
     ov_col: torch.Tensor         # [S] key column of s (= its canvas position)
     ov_key: torch.Tensor         # [S] row of (ov_seq, ov_col) in the flattened [B * Kmax] keys
     ov_slot: torch.Tensor        # [S] query slot of the predictor row in its [Qmax] window
-    ov_rows: torch.Tensor        # [R] distinct predictor rows (flat tokens)
-    ov_inverse: torch.Tensor     # [S] index of each override's row in ov_rows
     ov_extra: torch.Tensor       # [S] rank of the override within its sequence
     ov_fresh: torch.Tensor       # [B, Smax] flat token of each sequence's override sources
     num_overrides: int
@@ -61,6 +59,7 @@ class AttentionMetadata:
     ex_allowed: torch.Tensor     # [B, Emax, Kmax + Emax] bool: canvas columns, then extra rows
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
+    _ov_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -69,6 +68,13 @@ class AttentionMetadata:
     @property
     def num_extra(self) -> int:
         return int(self.ex_out.numel())
+
+    def override_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R] distinct predictor rows (flat tokens), [S] index of each override's row in them),
+        built on first use (only the closed-form path needs them)."""
+        if self._ov_rows is None:
+            self._ov_rows = torch.unique(self.ov_row, return_inverse=True)
+        return self._ov_rows
 
     def key_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, 1, Kmax]: 0 for real keys, -inf for padding (built once)."""
@@ -103,9 +109,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     key_slots = torch.zeros(b, k_max, dtype=torch.long)
     key_valid = torch.zeros(b, k_max, dtype=torch.bool)
     out_index, write_index, write_slots = [], [], []
-    ov_src, ov_row, ov_seq, ov_col, ov_slot, ov_extra = [], [], [], [], [], []
-    s_max = max(len(s.override) for s in seqs)
-    ov_fresh = torch.zeros(b, s_max, dtype=torch.long)
+    overrides = []                          # (seq, src token, row token, row slot, column, rank)
     offset = 0
     for i, s in enumerate(seqs):
         n, length = s.window_len, int(s.key_slots.numel())
@@ -114,30 +118,27 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         out_index.append(torch.arange(i * q_max, i * q_max + n))
         key_slots[i, :length] = s.key_slots
         key_valid[i, :length] = True if s.hidden_keys is None else ~s.hidden_keys
-        keep = torch.ones(n, dtype=torch.bool)
-        for e, (pos, row) in enumerate(s.override):
-            keep[pos - s.window_start] = False
-            ov_fresh[i, e] = offset + pos - s.window_start
-            ov_extra.append(e)
-            ov_src.append(offset + pos - s.window_start)
-            ov_row.append(offset + row - s.window_start)
-            ov_slot.append(row - s.window_start)
-            ov_seq.append(i)
-            ov_col.append(pos)
-        write_index.append(flat[keep])
-        write_slots.append(s.key_slots[s.window_start:s.window_start + n][keep])
+        slots = s.key_slots[s.window_start:s.window_start + n]
+        if s.override:
+            overrides += [(i, offset + pos - s.window_start, offset + row - s.window_start,
+                           row - s.window_start, pos, e) for e, (pos, row) in enumerate(s.override)]
+            keep = torch.ones(n, dtype=torch.bool)
+            keep[[pos - s.window_start for pos, _ in s.override]] = False
+            flat, slots = flat[keep], slots[keep]
+        write_index.append(flat)
+        write_slots.append(slots)
         offset += n
     ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, offset)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    ov_rows, ov_inverse = torch.unique(as_long(ov_row), return_inverse=True)
+    ov = torch.tensor(overrides, dtype=torch.long).reshape(-1, 6)
+    ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra = ov.to(device).unbind(1)
+    ov_fresh = torch.zeros(b, max(len(s.override) for s in seqs), dtype=torch.long, device=device)
+    ov_fresh[ov_seq, ov_extra] = ov_src
     return AttentionMetadata(
         write_index=torch.cat(write_index).to(device), write_slots=torch.cat(write_slots).to(device),
         q_index=q_index.to(device), out_index=torch.cat(out_index).to(device),
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
-        ov_src=as_long(ov_src), ov_row=as_long(ov_row), ov_seq=as_long(ov_seq),
-        ov_col=as_long(ov_col), ov_key=as_long([i * k_max + c for i, c in zip(ov_seq, ov_col)]),
-        ov_slot=as_long(ov_slot), ov_rows=ov_rows, ov_inverse=ov_inverse,
-        ov_extra=as_long(ov_extra), ov_fresh=ov_fresh.to(device), num_overrides=len(ov_src),
+        ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col, ov_key=ov_seq * k_max + ov_col,
+        ov_slot=ov_slot, ov_extra=ov_extra, ov_fresh=ov_fresh, num_overrides=len(overrides),
         ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device))
 
 

@@ -58,14 +58,14 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     p[0].neg_()                                         # the cached column leaves, the fresh joins
     delta_num = (p.unsqueeze(-1) * vv).sum(0)                                  # [S, H, d]
     delta_den = p.sum(0)                                                       # [S, H]
-    rows = meta.ov_rows
+    rows, inverse = meta.override_rows()
     if len(rows) == num:                 # one override per row: no reduction needed
         rows = meta.ov_row
     else:
         delta_num = delta_num.new_zeros(len(rows), num_heads, head_dim).index_add_(
-            0, meta.ov_inverse, delta_num)
+            0, inverse, delta_num)
         delta_den = delta_den.new_zeros(len(rows), num_heads).index_add_(
-            0, meta.ov_inverse, delta_den)
+            0, inverse, delta_den)
     fixed = (_f32(o.index_select(0, rows)) + delta_num) / (delta_den + 1.0).unsqueeze(-1)
     return o.index_copy_(0, rows, fixed if fixed.dtype == o.dtype else fixed.to(o.dtype))
 

@@ -84,8 +84,8 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     `replays` times through the executor as recorded and with its seeds stripped (the same
     window, tokens and view, so the only difference is the override views and the statistics).
     The cache contents the replays write are not read back by anything. A *step* adds the
-    decision on the recorded logits: the strategy's own `decide` (its per-request state restored
-    before each replay) against `threshold`'s at the same draft threshold.
+    strategy's work: its seed selection and its `decide` on the recorded logits (its per-request
+    state restored before each replay) against `threshold`'s at the same draft threshold.
     """
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
@@ -106,23 +106,23 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
         for r in replay[:2]:                                                 # warm-up
             r.step(executor.execute_model, True)
             r.step(executor.execute_model, False)
-        times = {(v, part): [] for v in (True, False) for part in ("forward", "decide")}
+        times = {(v, part): [] for v in (True, False) for part in ("forward", "strategy")}
         for _ in range(replays):
             for r in replay:
                 for verify in (True, False):
-                    forward_s, decide_s = r.step(executor.execute_model, verify)
+                    forward_s, strategy_s = r.step(executor.execute_model, verify)
                     times[verify, "forward"].append(forward_s)
-                    times[verify, "decide"].append(decide_s)
+                    times[verify, "strategy"].append(strategy_s)
         mean = {key: statistics.mean(v) for key, v in times.items()}
-        step = {v: mean[v, "forward"] + mean[v, "decide"] for v in (True, False)}
+        step = {v: mean[v, "forward"] + mean[v, "strategy"] for v in (True, False)}
         seeds = statistics.mean(sum(len(i.override) for i in r.out.items) for r in replay)
         rows.append({"decoding": decoding, "kv_cache": kv, "steps": len(replay),
                      "seeds_per_step": seeds,
                      "forward_ms": 1e3 * mean[True, "forward"],
                      "forward_without_seeds_ms": 1e3 * mean[False, "forward"],
                      "ratio": mean[True, "forward"] / mean[False, "forward"],
-                     "decide_ms": 1e3 * mean[True, "decide"],
-                     "threshold_decide_ms": 1e3 * mean[False, "decide"],
+                     "strategy_ms": 1e3 * mean[True, "strategy"],
+                     "threshold_strategy_ms": 1e3 * mean[False, "strategy"],
                      "step_ms": 1e3 * step[True], "step_without_seeds_ms": 1e3 * step[False],
                      "step_ratio": step[True] / step[False]})
     return rows
@@ -155,8 +155,8 @@ def _record_steps(llm: LLM, decoding: str, generate) -> list[tuple]:
 
 
 class _Replay:
-    """One recorded window step, replayable as recorded (seeds, the strategy's decide) or
-    without verification (no seeds or statistics, `threshold`'s decide at the same bar)."""
+    """One recorded window step, replayable as recorded (seeds, the strategy's selection and
+    decision) or without verification (no seeds or statistics, `threshold` at the same bar)."""
 
     def __init__(self, out, strategy, batch, saved_states):
         self.out, self.plain_out = out, _without_verification(out)
@@ -169,25 +169,32 @@ class _Replay:
             self.threshold.start_block(st, n)
         self.plain_batch = dataclasses.replace(batch, seeds=None, drift=None, attn_in=None,
                                                states=states)
+        # each request's block as the scheduler handed it to `select_seeds` (seeds unmasked)
+        self.blocks = [(row[blk], int(blk.nonzero()[0])) for row, blk in
+                       zip(batch.tokens, batch.in_block)]
 
     def step(self, execute, verify: bool) -> tuple[float, float]:
-        """(forward seconds, decide seconds) of one replay."""
+        """(forward seconds, strategy seconds) of one replay; the strategy's share is the seed
+        selection before the forward plus the decision after it."""
+        strategy, batch = (self.strategy, self.batch) if verify else (self.threshold,
+                                                                      self.plain_batch)
         if verify:
             for st, saved in zip(self.batch.states, self.saved):
                 st.extra = copy.deepcopy(saved)
         start = time.perf_counter()
+        for st, (tokens, begin) in zip(batch.states, self.blocks):
+            strategy.select_seeds(st, tokens, begin)
+        selected = time.perf_counter()
         execute(self.out if verify else self.plain_out)
-        mid = time.perf_counter()
-        if verify:
-            self.strategy.decide(self.batch)
-        else:
-            self.threshold.decide(self.plain_batch)
-        return mid - start, time.perf_counter() - mid
+        forward = time.perf_counter()
+        strategy.decide(batch)
+        end = time.perf_counter()
+        return forward - selected, (selected - start) + (end - forward)
 
 
 def format_verification(rows: list[dict]) -> str:
     lines = ["| decoding | kv_cache | steps | seeds/step | forward ms | same window, no seeds ms"
-             " | ratio | step ms (+ decide) | threshold step ms | step ratio |",
+             " | ratio | step ms (+ strategy) | threshold step ms | step ratio |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['decoding']} | {r['kv_cache']} | {r['steps']} | "

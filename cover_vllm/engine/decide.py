@@ -98,12 +98,13 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
         extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
         d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx], *stats,
                                            extra_logits=extra))
+        zeros = [0] * len(reqs)
+        keeps = zeros if d.keeps is None else d.keeps.tolist()
+        verified = zeros if d.verified is None else d.verified.tolist()
         for row, (req, item) in enumerate(zip(reqs, items)):
             n = item.view_end - item.view_start
             pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
             decisions[req.request_id] = RowDecision(
                 commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
-                replace=pick(d.replace),
-                keeps=0 if d.keeps is None else int(d.keeps[row]),
-                verified=0 if d.verified is None else int(d.verified[row]))
+                replace=pick(d.replace), keeps=keeps[row], verified=verified[row])
     return decisions

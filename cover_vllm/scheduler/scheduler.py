@@ -101,8 +101,8 @@ class Scheduler:
                     for c, ps in zip(copies, req.pages)]
         seeds = req.strategy.select_seeds(req.state, req.canvas[start:end], start)
         req.seeds = seeds
-        for s in seeds:                     # verified in the same forward: masked in the input
-            canvases[0].input_ids[s - w_start] = req.mask_id
+        if seeds:                           # verified in the same forward: masked in the input
+            canvases[0].input_ids[[s - w_start for s in seeds]] = req.mask_id
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
         return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
                         cfg_scale=req.strategy.cfg_scale, is_refresh=refresh,

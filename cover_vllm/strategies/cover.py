@@ -93,7 +93,8 @@ def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
-    return x.cpu().numpy()            # strategies run without autograd (engine inference mode)
+    """Host copy (a view on CPU); strategies run without autograd (engine inference mode)."""
+    return x.numpy() if x.device.type == "cpu" else x.cpu().numpy()
 
 
 @dataclass
@@ -113,19 +114,16 @@ class _Seeds:
     remask: np.ndarray
 
     @classmethod
-    def of(cls, batch: StepBatch, probs: torch.Tensor) -> "_Seeds":
-        if batch.seeds is None:
-            req = pos = torch.zeros(0, dtype=torch.long)
-        else:
-            req, pos = batch.seeds.nonzero(as_tuple=True)
-        rows = probs[req, pos]                                       # [S, V]
-        token = batch.tokens[req, pos]
-        conf, best = rows.max(-1)
-        own = rows.gather(-1, token[:, None])[:, 0]
-        req, pos, token, best = _np(torch.stack((req, pos, token, best)))
-        conf, own = _np(torch.stack((conf, own)))
+    def of(cls, batch: StepBatch, tokens: np.ndarray, probs: torch.Tensor) -> "_Seeds":
+        seeds = np.zeros((0, 0), dtype=bool) if batch.seeds is None else _np(batch.seeds)
+        req, pos = seeds.nonzero()
+        token = tokens[req, pos]
+        rows = _np(probs[torch.from_numpy(req), torch.from_numpy(pos)])       # [S, V]
+        best = rows.argmax(-1)
+        at = np.arange(len(req))
         none = np.zeros(len(req), dtype=bool)
-        return cls(req, pos, token, best, conf, own, none, none, none, none)
+        return cls(req, pos, token, best, rows[at, best], rows[at, token], none, none, none,
+                   none)
 
     def least_likely(self, mask: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Within `mask`, the k[request] seeds of each request with the lowest own-token
@@ -138,15 +136,11 @@ class _Seeds:
         out[order[rank < k[group]]] = True
         return out
 
-    def mask(self, m: np.ndarray, shape) -> torch.Tensor:
-        """[n, W] bool torch mask of the seeds in m."""
-        return torch.from_numpy(self.grid(m, shape))
-
-    def grid(self, values: np.ndarray, shape, fill=False) -> np.ndarray:
-        """Seed values (bool or float [S]) placed on the [n, W] view grid."""
-        out = np.full(shape, fill, dtype=values.dtype)
-        out[self.req, self.pos] = values
-        return out
+    def mask(self, m: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        """The seeds in m as a bool mask shaped and placed like `like` [n, W]."""
+        out = np.zeros(tuple(like.shape), dtype=bool)
+        out[self.req[m], self.pos[m]] = True
+        return torch.from_numpy(out).to(like.device)
 
 
 class Cover(Strategy):
@@ -240,26 +234,25 @@ class Cover(Strategy):
         draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)
         if p.max_draft is not None:
             draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
-        drafted = _np(draft.sum(-1))
-        seeds = self._judge(batch, probs, drafted)
-        tokens = draft_tokens
+        drafted, tokens = _np(draft.sum(-1)), _np(batch.tokens)
+        seeds = self._judge(_Seeds.of(batch, tokens, probs), drafted)
+        self._update_memory(batch, tokens, draft, cand_conf, drafted, seeds)
+        tokens, replace, remask = draft_tokens, None, None
         if seeds.replace.any():
+            replace = seeds.mask(seeds.replace, draft)
             tokens = draft_tokens.clone()
-            tokens[seeds.mask(seeds.replace, tokens.shape)] = torch.from_numpy(
-                seeds.best[seeds.replace])
-        replace, remask = seeds.mask(seeds.replace, draft.shape), seeds.mask(seeds.remask,
-                                                                              draft.shape)
-        self._update_memory(batch, draft, cand_conf, drafted, seeds)
-        per_request = lambda m: torch.from_numpy(                        # noqa: E731
-            np.bincount(seeds.req[m], minlength=n).astype(np.int64))
+            tokens[replace] = torch.from_numpy(seeds.best[seeds.replace]).to(tokens.device)
+        if seeds.remask.any():
+            remask = seeds.mask(seeds.remask, draft)
+        counts = np.stack((np.bincount(seeds.req[seeds.keep | seeds.deferred], minlength=n),
+                           np.bincount(seeds.req, minlength=n)))
+        keeps, verified = torch.from_numpy(counts.astype(np.int64))
         return Decision(commit=draft, tokens=tokens, remask=remask, replace=replace,
-                        keeps=per_request(seeds.keep | seeds.deferred),
-                        verified=per_request(np.ones_like(seeds.keep)))
+                        keeps=keeps, verified=verified)
 
-    def _judge(self, batch: StepBatch, probs: torch.Tensor, drafted: np.ndarray) -> "_Seeds":
+    def _judge(self, seeds: "_Seeds", drafted: np.ndarray) -> "_Seeds":
         """Keep / Replace / ReMask for every seed of the batch (§1.8), on the seeds' rows only."""
         p = self.params
-        seeds = _Seeds.of(batch, probs)
         agree = seeds.best == seeds.token
         seeds.keep = agree & (seeds.own >= p.keep_min)
         revise = ~seeds.keep
@@ -286,44 +279,47 @@ class Cover(Strategy):
         seeds.deferred = seeds.deferred | (remask & ~seeds.remask)
         return seeds
 
-    def _update_memory(self, batch: StepBatch, draft: torch.Tensor, draft_conf: torch.Tensor,
-                       drafted: np.ndarray, seeds: "_Seeds"):
-        """Advance every request's per-position memory (block positions) at once. A deferred
-        seed keeps its token but counts as never checked, so the block does not end before its
-        check passes."""
+    def _update_memory(self, batch: StepBatch, tokens: np.ndarray, draft: torch.Tensor,
+                       draft_conf: torch.Tensor, drafted: np.ndarray, seeds: "_Seeds"):
+        """Advance every request's per-position memory (block positions) at once, on an
+        [n, rows, W] copy laid over the view. A deferred seed keeps its token but counts as never
+        checked, so the block does not end before its check passes."""
         p = self.params
-        shape = n, width = tuple(batch.tokens.shape)
-        blk = _np(batch.in_block)
-        draft = _np(draft)
-        keep, deferred, replace, remask, checked = (
-            seeds.grid(m, shape) for m in (seeds.keep, seeds.deferred, seeds.replace,
-                                          seeds.remask, np.ones_like(seeds.keep)))
-        fresh = draft | replace | remask
-        tokens, valid = _np(batch.tokens), _np(batch.valid)
-        visible = valid & (tokens != batch.mask_id) & ~checked
-        m = np.zeros((n, _ROWS, width))                              # [n, 6, W]
+        n, width = batch.tokens.shape
+        blk, draft = _np(batch.in_block), _np(draft)
+        m = np.zeros((n, _ROWS, width))
         mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
         for i, mem in enumerate(mems):
             m[i][:, blk[i]] = mem
-        age, checks, last_conf, drift, stale = (m[:, r] for r in (AGE, CHECKS, CONF, DRIFT, STALE))
+        age, checks, conf, drift, stale = (m[:, r] for r in (AGE, CHECKS, CONF, DRIFT, STALE))
+        req, pos = seeds.req, seeds.pos
+        revised = seeds.replace | seeds.remask
+        fresh = draft.copy()                             # positions whose token changed
+        fresh[req[revised], pos[revised]] = True
+        visible = _np(batch.valid) & (tokens != batch.mask_id)
+        visible[req, pos] = False                        # seeds were masked in this forward
         if batch.drift is not None:
-            seen = visible & (age >= 1)                 # the cached key was a visible version
-            ema = p.drift_beta * drift + (1 - p.drift_beta) * _np(batch.drift)
-            drift = np.where(seen, ema, drift)
+            seen = visible & (age >= 1)                  # the cached key was a visible version
+            drift[seen] = p.drift_beta * drift[seen] + (1 - p.drift_beta) * _np(batch.drift)[seen]
         if batch.attn_in is not None:
             m[:, ATTN_IN] = _np(batch.attn_in)
-        changed = fresh.sum(-1, keepdims=True)           # [n, 1] positions changed this step
-        # a kept seed was judged now: stale only if something else changed in this same step
-        m[:, STALE] = np.where(fresh, changed > 1,
-                               np.where(keep, changed > 0, np.maximum(stale, changed > 0)))
-        m[:, AGE] = np.where(fresh, 0.0, age + visible)
-        m[:, DRIFT] = np.where(fresh, 0.0, drift)
-        m[:, CHECKS] = np.where(fresh | deferred, 0.0, checks + checked)
-        own, conf = seeds.grid(seeds.own, shape, 0.0), seeds.grid(seeds.conf, shape, 0.0)
-        m[:, CONF] = np.where(keep | deferred, own,
-                              np.where(draft, _np(draft_conf), np.where(replace, conf, last_conf)))
-        num_seeds = np.bincount(seeds.req, minlength=n)
-        hits = np.bincount(seeds.req[seeds.replace | seeds.remask], minlength=n)
+        changed = fresh.sum(-1)                          # [n] positions changed this step
+        # stale: something else changed since the last judgement; a kept seed was judged now
+        stale[:] = np.where(fresh, changed[:, None] > 1,
+                            np.maximum(stale, changed[:, None] > 0))
+        kept = seeds.keep
+        stale[req[kept], pos[kept]] = changed[req[kept]] > 0
+        age += visible
+        checks[req, pos] += 1
+        held = kept | seeds.deferred
+        conf[draft] = _np(draft_conf)[draft]
+        conf[req[held], pos[held]] = seeds.own[held]
+        conf[req[seeds.replace], pos[seeds.replace]] = seeds.conf[seeds.replace]
+        checks[req[seeds.deferred], pos[seeds.deferred]] = 0.0
+        for row in (age, checks, drift):
+            row[fresh] = 0.0
+        num_seeds = np.bincount(req, minlength=n)
+        hits = np.bincount(req[revised], minlength=n)
         for i, (mem, st) in enumerate(zip(mems, batch.states)):
             mem[:] = m[i][:, blk[i]]
             extra = st.extra

@@ -74,12 +74,8 @@ class ModelRunner:
                     rel = item.embed_edit.positions - w0
                     assert bool(((rel >= 0) & (rel < n)).all()), "embed edits outside the window"
                     lay.edits.append((rel + offset, item.embed_edit))
-                # still-masked view rows (not seeds): whose attention defines downstream influence
-                pos = torch.arange(w0, w0 + n)
-                in_view = (pos >= item.view_start) & (pos < item.view_end)
-                masked = canvas.input_ids == self.model.spec.mask_token_id
-                masked[[s - w0 for s, _ in item.override]] = False
-                lay.stat_rows.append(in_view & masked & cond)
+                lay.stat_rows.append(self._stat_rows(item, canvas) if cond and item.want_stats
+                                     else torch.zeros(n, dtype=torch.bool))
                 offset += n
         for item in out.items:                     # extra rows follow every window (attention)
             if item.extra is None:
@@ -92,6 +88,16 @@ class ModelRunner:
             lay.extra_rows.append(torch.arange(offset, offset + e))
             offset += e
         return lay
+
+    def _stat_rows(self, item, canvas) -> torch.Tensor:
+        """[window_len] bool: the still-masked view rows (not seeds), whose attention defines
+        downstream influence."""
+        rows = canvas.input_ids == self.model.spec.mask_token_id
+        rows[:item.view_start - item.window_start] = False
+        rows[item.view_end - item.window_start:] = False
+        if item.override:
+            rows[[s - item.window_start for s, _ in item.override]] = False
+        return rows
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
