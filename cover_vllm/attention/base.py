@@ -134,7 +134,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     ov_fresh = torch.zeros(b, max(len(s.override) for s in seqs), dtype=torch.long, device=device)
     ov_fresh[ov_seq, ov_extra] = ov_src
     return AttentionMetadata(
-        write_index=torch.cat(write_index).to(device), write_slots=torch.cat(write_slots).to(device),
+        write_index=torch.cat(write_index).to(device),
+        write_slots=torch.cat(write_slots).to(device),
         q_index=q_index.to(device), out_index=torch.cat(out_index).to(device),
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col, ov_key=ov_seq * k_max + ov_col,

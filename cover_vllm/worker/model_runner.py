@@ -61,7 +61,7 @@ class ModelRunner:
         for item in out.items:
             n, w0 = item.window_len, item.window_start
             view = torch.arange(item.view_start, item.view_end)
-            pred = (view - self.shift).clamp(min=0) - w0            # predictor rows, window-relative
+            pred = (view - self.shift).clamp(min=0) - w0       # predictor rows, window-relative
             for c, canvas in enumerate(item.canvases):
                 cond = c == 0
                 extra = item.extra.allowed if cond and item.extra is not None else None
