@@ -20,14 +20,11 @@ from cover_vllm import LLM
 from cover_vllm.eval import evaluate_one
 from cover_vllm.tasks import get_task, list_tasks
 
-SETTINGS = [
-    ["threshold", {"threshold": 0.95}], ["threshold", {"threshold": 0.97}],
-    ["threshold", {"threshold": 0.99}],
-    ["wino", {"threshold": 0.8, "threshold_back": 0.95}],
-    ["wino", {"threshold": 0.9, "threshold_back": 0.97}],
-    ["wino", {"threshold": 0.95, "threshold_back": 0.99}],
-    ["wino", {"threshold": 0.97, "threshold_back": 0.99}],
-    ["wino", {"threshold": 0.99, "threshold_back": 0.995}],
+THRESHOLD = [["threshold", {"threshold": t}] for t in (0.95, 0.97, 0.99)]
+WINO = [["wino", {"threshold": t, "threshold_back": back}]
+        for t, back in ((0.9, 0.97), (0.95, 0.99), (0.97, 0.99), (0.99, 0.995))]
+
+SETTINGS = THRESHOLD + [["wino", {"threshold": 0.8, "threshold_back": 0.95}]] + WINO + [
     ["saber", {"n": 4}], ["saber", {"n": 8}],
     ["cover", {"draft_threshold": 0.9, "final_verify_below": 1.0}],
     ["cover", {"draft_threshold": 0.95, "final_verify_below": 1.0}],
@@ -44,13 +41,7 @@ SETTINGS = [
 
 # The settings near the accuracy frontier, for the 1,000-problem table (about 12 minutes on one
 # thread for the three tasks).
-NEAR = [
-    ["threshold", {"threshold": 0.95}], ["threshold", {"threshold": 0.97}],
-    ["threshold", {"threshold": 0.99}],
-    ["wino", {"threshold": 0.9, "threshold_back": 0.97}],
-    ["wino", {"threshold": 0.95, "threshold_back": 0.99}],
-    ["wino", {"threshold": 0.97, "threshold_back": 0.99}],
-    ["wino", {"threshold": 0.99, "threshold_back": 0.995}],
+NEAR = THRESHOLD + WINO + [
     ["cover", {"draft_threshold": 0.95}], ["cover", {}],
     ["cover", {"final_verify_below": 0.7}],
     ["cover", {"draft_threshold": 0.99, "final_verify_below": 0.9}],

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
-from cover_vllm.scheduler.output import EmbedEdit, SchedulerOutput
+from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift
@@ -89,7 +89,7 @@ class ModelRunner:
             offset += e
         return lay
 
-    def _stat_rows(self, item, canvas) -> torch.Tensor:
+    def _stat_rows(self, item: WorkItem, canvas: CanvasInput) -> torch.Tensor:
         """[window_len] bool: the still-masked view rows (not seeds), whose attention defines
         downstream influence."""
         rows = canvas.input_ids == self.model.spec.mask_token_id
