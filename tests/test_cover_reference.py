@@ -97,7 +97,7 @@ def _reference(p, probs, tokens, seeds, valid, block, mem, extra, drift, attn_in
             [i in replace for i in range(width)], len(keep) + len(deferred), len(seed_pos))
 
 
-def _random_request(rng, p):
+def _random_request(rng):
     """(tokens, seeds, valid, block, logits [W, V], mem, extra, drift, attn_in) of one request."""
     lo, length = rng.randrange(0, 4), rng.randrange(3, 9)
     width = lo + length + rng.randrange(0, 3)
@@ -141,7 +141,7 @@ def test_decide_matches_the_reference_on_random_batches(params):
     rng = random.Random(zlib.crc32(repr(sorted(params.items())).encode()))
     verdicts = {"commit": 0, "remask": 0, "replace": 0}
     for _ in range(60):
-        reqs = [_random_request(rng, p) for _ in range(rng.randrange(1, 4))]
+        reqs = [_random_request(rng) for _ in range(rng.randrange(1, 4))]
         width = max(len(r[0]) for r in reqs)
         n = len(reqs)
         pad = lambda rows, fill: [row + [fill] * (width - len(row)) for row in rows]  # noqa: E731
