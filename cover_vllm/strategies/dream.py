@@ -52,10 +52,14 @@ def transfer_count(batch: StepBatch) -> torch.Tensor:
 
 
 def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate tokens [n, W] and the probabilities [n, W, V] they were drawn from.
+    """Candidate tokens [n, W] and the model's probabilities [n, W, V] that scores read.
 
-    Order as `sample_tokens`: temperature, top-p, top-k, softmax. Rows with T > 0 are already
-    divided by T, so they are sampled at temperature 1 over each request's own view rows.
+    Sampling follows `sample_tokens`: temperature, top-p, top-k, then a draw (rows with T > 0 are
+    already divided by T, so they are sampled at temperature 1 over each request's own view rows).
+    The returned probabilities are softmax(logits), untouched by temperature and truncation, so
+    at T = 0 the decisions do not depend on top_p / top_k. The official code scores with the
+    tempered, truncated distribution instead; the two agree at T = 0 with top_p = 1 and
+    top_k = -1, the settings of every golden case.
     """
     hot = batch.temperature > 0
     scale = torch.where(hot, batch.temperature, 1.0).to(batch.logits.dtype)
@@ -64,7 +68,7 @@ def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     logits = filter_top_k_top_p(logits, batch.top_k, torch.ones_like(batch.top_p))
     lengths = batch.valid.sum(-1).tolist()
     tokens = sample_candidates(logits, hot.to(batch.temperature.dtype), batch.generators, lengths)
-    return tokens, torch.softmax(logits, dim=-1)
+    return tokens, torch.softmax(batch.logits, dim=-1)
 
 
 def sample_positions(batch: StepBatch, conf: torch.Tensor, count: torch.Tensor,

@@ -41,10 +41,13 @@ def scheduled_count(batch: StepBatch) -> torch.Tensor:
 
 
 def propose(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate tokens [n, W] (Gumbel-max at T > 0) and the logits they were drawn from."""
-    logits = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
+    """Candidate tokens [n, W] (Gumbel-max at T > 0, drawn from the top-k / top-p filtered
+    logits) and the model's own logits [n, W, V], which every confidence is read from:
+    truncation shapes sampling only, never the bars decoders compare against (at T = 0 the
+    candidates, and so the decisions, do not depend on top_p / top_k)."""
+    filtered = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
     lengths = batch.valid.sum(-1).tolist()
-    return gumbel_candidates(logits, batch.temperature, batch.generators, lengths), logits
+    return gumbel_candidates(filtered, batch.temperature, batch.generators, lengths), batch.logits
 
 
 class LowConfidence(Strategy):
