@@ -75,14 +75,23 @@ def test_dp_bad_request_raises_value_error(router):
 
 
 def test_dead_replica_fails_its_requests_and_the_other_carries_on(router):
-    """Runs last: it kills replica 1."""
+    """Runs last: it kills replica 1 while its request is provably mid-generation."""
     pid = router.infos[1]["pid"]
 
     async def run():
+        # replica 0 holds until both requests are placed (so neither can finish first and the
+        # second goes to replica 1); replica 1 may run 12 engine steps, then holds: its
+        # 256-token request (one token a step, blocks of 8) has finished its first block and
+        # can never finish before the kill
+        replicas = [r.actor for r in router._replicas]
+        await replicas[0].limit_steps.remote(0)
+        await replicas[1].limit_steps.remote(12)
         long = [await router.submit(Submission(f"long{i}", [9, 9, 9], _params(i, 256)))
                 for i in range(2)]
         assert [s.replica for s in long] == [0, 1]
-        await asyncio.sleep(0.5)                  # both are mid-generation
+        await replicas[0].limit_steps.remote(None)
+        first = await long[1].get()
+        assert not first.finished and len(first.outputs[0].token_ids) == 8
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(ReplicaFailed, match="replica 1 died"):

@@ -1,6 +1,7 @@
 """Engine behaviour: cache modes, continuous batching, KV admission, stops, aborts, bad input."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -230,3 +231,29 @@ def test_mask_is_never_proposed_even_when_it_is_the_argmax(llada_dir, decoding):
                                                       ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 16
     assert llm.engine.spec.mask_token_id not in out.outputs[0].token_ids
+
+
+def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
+    from cover_vllm.engine.dp_replica import EngineReplica
+
+    replica = EngineReplica(EngineConfig(model=llada_dir, decoding="low_confidence"), 0)
+    try:
+        with pytest.raises(ValueError, match="steps"):
+            replica.limit_steps(-1)
+        replica.limit_steps(3)
+        replica.add_request("r", [5, 6, 7], SamplingParams(max_tokens=16, block_length=8,
+                                                            ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while not replica.stats()["held"]:
+            assert time.monotonic() < deadline, "the replica never held"
+            time.sleep(0.01)
+        assert replica.poll(0.0)[0] == []           # 3 steps: no block finished yet
+        assert replica.stats()["running"] == 1
+        replica.limit_steps(None)
+        outs = []
+        while not (outs and outs[-1][1].finished):
+            assert time.monotonic() < deadline, "the request never finished"
+            outs += replica.poll(1.0)[0]
+        assert len(outs[-1][1].outputs[0].token_ids) == 16
+    finally:
+        replica.shutdown()

@@ -52,6 +52,13 @@ def _replica_counts(srv) -> dict[str, float]:
             if line.startswith('cover_vllm_replica_requests_total{replica="')}
 
 
+def _wait_for(condition, router, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, router.replica_counts()
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return write_tiny_model(tmp_path_factory.mktemp("serve-dp") / "tiny-llada")
@@ -73,37 +80,47 @@ def dp_server(model, ray_session):
 
 
 @pytest.mark.ray
-def test_dp2_server_spreads_requests_and_matches_offline(dp_server, offline):
+def test_dp2_server_spreads_requests_and_matches_offline(dp_server, offline, ray_session):
     assert httpx.get(dp_server.url + "/health").json() == {"status": "ok"}
     client = _client(dp_server)
     assert [m.id for m in client.models.list().data] == ["test-model"]
     before = _replica_counts(dp_server)
+    router = dp_server.engine_loop
+    replicas = [r.actor for r in router._replicas]
+    # the replicas hold until every request is placed, so none finishes before the last arrives
+    # and least-loaded routing must give each replica half of them
+    ray_session.get([a.limit_steps.remote(0) for a in replicas], timeout=30)
     with cf.ThreadPoolExecutor(len(offline)) as pool:
-        got = dict(zip(offline, pool.map(lambda p: _complete(client, p), offline)))
+        futures = {p: pool.submit(_complete, client, p) for p in offline}
+        _wait_for(lambda: [c["in_flight"] for c in router.replica_counts()] == [4, 4], router)
+        ray_session.get([a.limit_steps.remote(None) for a in replicas], timeout=30)
+        got = {p: f.result(timeout=120) for p, f in futures.items()}
     assert got == offline
     after = _replica_counts(dp_server)
     served = {r: after[r] - before.get(r, 0.0) for r in after}
-    assert set(served) == {"0", "1"} and sum(served.values()) == len(offline)
-    assert all(n >= 1 for n in served.values()), served          # both replicas answered
+    assert served == {"0": 4, "1": 4}, served
     stream = client.completions.create(model="test-model", prompt=PROMPTS[0], stream=True,
                                        max_tokens=MAX_TOKENS, temperature=0, extra_body=KNOBS)
     assert "".join(c.choices[0].text for c in stream) == offline[PROMPTS[0]]
 
 
 @pytest.mark.ray
-def test_dp_dead_replica_fails_its_requests_and_health_turns_unhealthy(dp_server, offline):
+def test_dp_dead_replica_fails_its_requests_and_health_turns_unhealthy(dp_server, offline,
+                                                                       ray_session):
     """Runs last on the module's server: it kills replica 1."""
     router = dp_server.engine_loop
     pid = router.infos[1]["pid"]
     client = _client(dp_server)
+    replicas = [r.actor for r in router._replicas]
+    # both replicas hold until each has one request, so neither can finish before the other is
+    # placed; then replica 1 runs 8 steps and holds its request mid-generation until the kill
+    ray_session.get([a.limit_steps.remote(0) for a in replicas], timeout=30)
     with cf.ThreadPoolExecutor(2) as pool:          # one long request on each replica
-        # 128 tokens: long enough to be mid-generation at the kill. (Some other lengths never
-        # finish on this random model: a step may commit the [MASK] id itself, an engine bug.)
         futures = [pool.submit(_complete, client, PROMPTS[i], 128) for i in range(2)]
-        deadline = time.monotonic() + 30
-        while [c["in_flight"] for c in router.replica_counts()] != [1, 1]:
-            assert time.monotonic() < deadline, router.replica_counts()
-            time.sleep(0.05)
+        _wait_for(lambda: [c["in_flight"] for c in router.replica_counts()] == [1, 1], router)
+        ray_session.get([replicas[0].limit_steps.remote(None), replicas[1].limit_steps.remote(8)],
+                        timeout=30)
+        _wait_for(lambda: router.replica_counts()[1].get("held"), router)
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         errors = [f.exception(timeout=30) for f in futures]

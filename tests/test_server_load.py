@@ -86,6 +86,15 @@ def _metric(http, name: str) -> float:
     return sum(float(line.split()[-1]) for line in lines)
 
 
+def _wait_metric(http, name: str, value: float, what: str, timeout_s: float = 10.0) -> None:
+    """Poll a gauge until it reads `value`: the engine loop delivers a step's outputs before it
+    publishes that step's gauges, so one read right after an output may still see the old value."""
+    deadline = time.monotonic() + timeout_s
+    while _metric(http, name) != value:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def _stream_body(prompt: list[int], max_tokens: int) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "decoding": "low_confidence", "steps": max_tokens, "block_length": 8,
@@ -124,20 +133,17 @@ def test_disconnect_frees_pages_and_others_continue(server, model) -> None:
                            json=_stream_body(prompt, max_tokens)) as resp:
             first = next(line for line in resp.iter_lines() if line.startswith("data: "))
             assert first
-            deadline = time.monotonic() + 10
-            while _metric(http, "cover_vllm_kv_pages_used") != 2 * pages:
-                assert time.monotonic() < deadline, "both streams never ran together"
-                time.sleep(0.005)
+            _wait_metric(http, "cover_vllm_kv_pages_used", 2 * pages,
+                         "both streams never ran together")
     # the leaver is gone: its pages come back while the survivor still holds its own
-    deadline = time.monotonic() + 10
-    while _metric(http, "cover_vllm_kv_pages_used") != pages:
-        assert time.monotonic() < deadline, "pages of the disconnected stream were not freed"
-        time.sleep(0.005)
+    _wait_metric(http, "cover_vllm_kv_pages_used", pages,
+                 "pages of the disconnected stream were not freed")
     assert "done" not in survivor                     # freed while the other stream ran
     thread.join(300)
     assert survivor.get("done") and survivor["finish"] == "length"
-    assert _metric(http, 'cover_vllm_requests_total{outcome="abort"}') == aborts_before + 1
-    assert _metric(http, "cover_vllm_kv_pages_used") == 0
+    _wait_metric(http, 'cover_vllm_requests_total{outcome="abort"}', aborts_before + 1,
+                 "the disconnect was not counted as an abort")
+    _wait_metric(http, "cover_vllm_kv_pages_used", 0, "the survivor's pages were not freed")
 
     llm = LLM(model, decoding="low_confidence", kv_cache="none")
     ref = llm.generate({"prompt_token_ids": prompt},
@@ -154,9 +160,7 @@ def test_non_streaming_disconnect_aborts(server) -> None:
     body = {**_stream_body([7, 8, 9, 10], min(400, max_len - 4)), "stream": False}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
-    deadline = time.monotonic() + 10
-    while _metric(http, 'cover_vllm_requests_total{outcome="abort"}') != aborts_before + 1:
-        assert time.monotonic() < deadline, "the abandoned request was not aborted"
-        time.sleep(0.01)
-    assert _metric(http, "cover_vllm_kv_pages_used") == 0
+    _wait_metric(http, 'cover_vllm_requests_total{outcome="abort"}', aborts_before + 1,
+                 "the abandoned request was not aborted")
+    _wait_metric(http, "cover_vllm_kv_pages_used", 0, "the abandoned request's pages were not freed")
     http.close()

@@ -7,6 +7,9 @@ If a step raises, every request of this replica fails with the error text (a ste
 so the culprit cannot be told apart) and the replica carries on with new requests, unless its
 engine is dead (Engine.check_health raises: a tensor-parallel worker died): then it refuses new
 requests and its gauges carry `fatal` (the error), on which the router retires it.
+`limit_steps(n)` lets the replica run at most n more engine steps and then hold its requests,
+untouched, until `limit_steps(None)`: a drain point for operators, and what lets a test prove a
+request is still in flight when it kills the replica.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class EngineReplica:
         self._live: set[str] = set()       # request ids added and not finished / aborted / failed
         self._served = 0                   # requests finished by this replica
         self._stopped = False
+        self._steps_left: int | None = None   # steps allowed before holding; None: no limit
         self._fatal: str | None = None     # set once the engine can no longer run forwards
         self._thread = threading.Thread(target=self._run, name=f"dp-replica-{index}",
                                         daemon=True)
@@ -57,6 +61,15 @@ class EngineReplica:
                 self._live.discard(request_id)
                 self.engine.abort_request(request_id)
 
+    def limit_steps(self, steps: int | None) -> None:
+        """Run at most `steps` more engine steps, then hold (None lifts the limit)."""
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 0):
+            raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
+        with self._cond:
+            self._steps_left = steps
+            self._cond.notify_all()
+
     def poll(self, timeout_s: float) -> PollResult:
         """Outputs since the last poll (waits up to `timeout_s` for one) and the load gauges."""
         with self._cond:
@@ -68,7 +81,8 @@ class EngineReplica:
         sched, pool = self.engine.scheduler, self.engine.pool
         return {"running": len(sched.running), "waiting": len(sched.waiting),
                 "pages_used": pool.num_used, "pages_total": pool.num_pages,
-                "served": self._served, "fatal": self._fatal}
+                "served": self._served, "fatal": self._fatal,
+                "held": self._steps_left == 0 and self.engine.has_unfinished_requests()}
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -84,9 +98,12 @@ class EngineReplica:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self.engine.has_unfinished_requests())
+                self._cond.wait_for(lambda: self._stopped or (
+                    self._steps_left != 0 and self.engine.has_unfinished_requests()))
                 if self._stopped:
                     return
+                if self._steps_left is not None:
+                    self._steps_left -= 1
                 self._step()
                 self._cond.notify_all()
             time.sleep(0)                  # let a waiting add / abort / poll take the lock
