@@ -48,6 +48,7 @@ class EvalSpec:
     kv_cache: str = "none"
     decoding_params: tuple = ()        # ((name, {params}), ...)
     use_tqdm: bool = True
+    threads: int | None = None         # torch intra-op threads (None: the engine's default)
 
 
 def problems(task: Task, num: int, seed: int | None) -> list[Example]:
@@ -91,7 +92,8 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
     for name in spec.decodings:
         strategy_class(name)                       # unknown names fail before any work
     tasks = [get_task(name) for name in spec.tasks]
-    llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_cache)
+    llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_cache,
+              num_threads=spec.threads)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
     rows = []

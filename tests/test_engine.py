@@ -26,10 +26,13 @@ def _mixed_params(n, seed=0):
     for i in range(n):
         block = rng.choice([4, 8, 16])
         name, params = STRATEGIES[i % len(STRATEGIES)]
+        max_tokens = block * rng.randint(1, 3)
+        kv_cache = rng.choice(["none", "prefix", "dual"])
+        steps = block * rng.randint(1, 2) if name == "low_confidence" else None
         out.append(SamplingParams(
-            max_tokens=block * rng.randint(1, 3), block_length=block, ignore_eos=True,
-            decoding=name, decoding_params=params, kv_cache=rng.choice(["none", "prefix", "dual"]),
-            seed=i, steps=None if name != "low_confidence" else block * rng.randint(1, 2)))
+            max_tokens=max_tokens, block_length=block, ignore_eos=True, decoding=name,
+            decoding_params=params, kv_cache=kv_cache, seed=i,
+            steps=None if steps is None else min(steps, max_tokens)))   # steps <= max_tokens
     return out
 
 
@@ -169,6 +172,8 @@ BAD_REQUESTS = [
     ({"prompt_token_ids": [1]}, dict(decoding="threshold", decoding_params=[0.9]),
      TypeError, "decoding_params"),
     ("text prompt", {}, ValueError, "tokenizer"),
+    ({"prompt_token_ids": [1]}, dict(stop_token_ids=[5, 10_000]), ValueError, "stop_token_ids"),
+    ({"prompt_token_ids": [1]}, dict(max_tokens=8, steps=1000), ValueError, "steps"),
 ]
 
 
@@ -257,3 +262,27 @@ def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
         assert len(outs[-1][1].outputs[0].token_ids) == 16
     finally:
         replica.shutdown()
+
+
+def test_steps_beyond_max_tokens_are_fine_where_they_size_a_time_grid(dream_dir):
+    out = LLM(dream_dir, decoding="saber").generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, steps=512), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 8
+
+
+def test_weightless_builtin_shape_is_refused_before_building_the_model():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        LLM("llada-8b", dtype="bfloat16")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000   # KiB
+
+
+def test_default_sampling_params_take_the_checkpoint_generation_length(llada_dir):
+    assert LLM("cover-tiny", kv_cache="none").get_default_sampling_params().max_tokens == 32
+    llm = LLM(llada_dir)            # no generation_config.json: SamplingParams' own default
+    assert llm.get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+    out = LLM("cover-tiny", kv_cache="none").generate({"prompt_token_ids": [5, 6]},
+                                                      use_tqdm=False)
+    assert out[0].metrics.decoded_tokens == 32      # one block of the 32 declared slots

@@ -200,3 +200,16 @@ def test_saber_streams_only_finished_text(client) -> None:
     texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert "".join(texts) == full.text
     assert len(texts) <= 1
+
+
+def test_max_tokens_defaults_to_the_checkpoint_generation_length(client, model) -> None:
+    want = LLM(model, kv_cache="none").get_default_sampling_params().max_tokens
+    extra = {"ignore_eos": True, "block_length": 8}
+    chat = client.chat.completions.create(model="test-model", extra_body=extra,
+                                          messages=[{"role": "user", "content": "1+2="}])
+    completion = client.completions.create(model="test-model", prompt="1+2=", extra_body=extra)
+    if model == "cover-tiny":                        # ships generation_config.json: 32
+        assert want == 32
+        assert chat.usage.completion_tokens == completion.usage.completion_tokens == 32
+    else:                                            # none: OpenAI's defaults, 64 and 16
+        assert (chat.usage.completion_tokens, completion.usage.completion_tokens) == (64, 16)

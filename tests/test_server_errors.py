@@ -55,6 +55,8 @@ CASES = [
     ("block_length zero", C, _c(block_length=0), 400, "block_length", None),
     ("block_length negative", C, _c(block_length=-8), 400, "block_length", None),
     ("steps zero", C, _c(steps=0), 400, "steps", None),
+    ("steps above max_tokens", C, _c(steps=1000, max_tokens=8), 400, "steps", None),
+    ("stop_token_ids out of vocab", C, _c(stop_token_ids=[10**6]), 400, "stop_token_ids", None),
     ("unknown decoding_params key", C, _c(decoding="threshold",
                                           decoding_params={"bogus": 1}), 400,
      "decoding_params", None),

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from cover_vllm.benchmarks.machine import pin_threads
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
@@ -28,10 +29,10 @@ PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
 
 def run_latency(spec: ThroughputSpec, repeats: int = 3, log=print) -> list[dict]:
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
+    threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=spec.decodings[0], load_format=load_format, seed=spec.seed)
+    llm = LLM(spec.model, decoding=spec.decodings[0], load_format=load_format, seed=spec.seed,
+              num_threads=threads)
     work = Workload(spec, llm, max(repeats, 1))
     rows = []
     for kv in spec.kv_caches:
@@ -87,10 +88,10 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     strategy's work: its seed selection and its `decide` on the recorded logits (its per-request
     state restored before each replay) against `threshold`'s at the same draft threshold.
     """
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
+    threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed)
+    llm = LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
+              num_threads=threads)
     work = Workload(spec, llm, max(repeats, 1))
     executor = llm.engine.executor
     rows = []

@@ -20,6 +20,18 @@ def measure_matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
     return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
 
 
+def pin_threads(model: str, requested: int | None) -> int:
+    """Set the torch threads a benchmark of `model` runs with (`requested`, else the engine's
+    default for that model and the machine's load) before the peak-rate probe, so the probe
+    and the engine use the same count; returns it (pass it on as the engine's num_threads)."""
+    from cover_vllm.models.builtin import resolve_model
+    from cover_vllm.models.spec import ModelSpec
+    from cover_vllm.worker.threads import apply_num_threads
+
+    spec = ModelSpec.from_config(resolve_model(model).config)
+    return apply_num_threads(requested, spec.hidden_size)
+
+
 def machine_info() -> dict:
     return {"cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "matmul_gflops": round(measure_matmul_gflops(), 1)}

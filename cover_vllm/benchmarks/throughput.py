@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info,
+from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info, pin_threads,
                                             matmul_params_per_token, step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
@@ -153,14 +153,14 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams):
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
-    if spec.threads is not None:
-        torch.set_num_threads(spec.threads)
+    threads = pin_threads(spec.model, spec.threads)
     machine = machine_info()
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     report = {"machine": machine, "model": spec.model, "reference": None, "results": []}
     for bs in spec.batch_sizes:
         llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
-                  max_num_seqs=bs, load_format=load_format, seed=spec.seed)
+                  max_num_seqs=bs, load_format=load_format, seed=spec.seed,
+                  num_threads=threads)
         work = Workload(spec, llm, spec.num_prompts or 2 * bs)
         if report["reference"] is None and spec.reference_prompts:
             report["reference"] = run_reference(llm, work, spec.reference_prompts,

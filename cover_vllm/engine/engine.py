@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +23,9 @@ from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.strategies import Strategy, make_params, strategy_class
 
 
+logger = logging.getLogger(__name__)
+
+
 def _load_tokenizer(path):
     if path is None:
         return None
@@ -33,10 +37,18 @@ def _load_tokenizer(path):
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_model(config.model)
+        if resolved.path is None and config.load_format != "dummy":
+            raise ValueError(f"model={resolved.name!r} is a built-in shape without weights; pass "
+                             "load_format='dummy' (--load-format dummy) for random weights, or "
+                             "a checkpoint directory")
         self.config = config
         self.spec = ModelSpec.from_config(resolved.config)
         strategy_class(config.decoding)                        # fail early on a bad default
+        self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         self.tokenizer = _load_tokenizer(resolved.path)
+        if self.tokenizer is None:
+            logger.warning("model %r has no tokenizer: prompts must be token ids and outputs "
+                           "carry token ids only (text is empty)", resolved.name)
         self.executor = make_executor(config, resolved, self.spec)
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
@@ -68,6 +80,12 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
+        strategy = self._strategy(params)
+        strategy.check_steps(params.steps, params.max_tokens)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.spec.vocab_size})")
         total = len(ids) + params.max_tokens
         if total > self.spec.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
@@ -75,7 +93,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
-        req = Request(request_id, text, ids, params, self._strategy(params), generator,
+        req = Request(request_id, text, ids, params, strategy, generator,
                       params.kv_cache or self.config.kv_cache)
         self.scheduler.add_request(req)
         self._requests[request_id] = req

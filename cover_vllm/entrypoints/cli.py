@@ -21,6 +21,20 @@ def _ints(value: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from exc
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _positive_ints(value: str) -> tuple[int, ...]:
+    return tuple(_positive_int(v) for v in _csv(value))
+
+
 def _json_obj(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -34,17 +48,26 @@ def _json_obj(value: str) -> dict:
 def cmd_generate(args: argparse.Namespace) -> None:
     from cover_vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache,
-              load_format=args.load_format)
-    sp = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length,
+    llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache, dtype=args.dtype,
+              load_format=args.load_format, num_threads=args.threads)
+    max_tokens = args.max_tokens or llm.get_default_sampling_params().max_tokens
+    sp = SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                         steps=args.steps, temperature=args.temperature,
                         decoding_params=args.decoding_params)
-    messages = [{"role": "user", "content": args.prompt}]
-    out = (llm.chat(messages, sp, use_tqdm=False) if args.chat
-           else llm.generate([args.prompt], sp, use_tqdm=False))[0]
-    print(out.outputs[0].text)
+    if args.prompt_token_ids is not None:
+        if args.chat:
+            raise ValueError("--chat needs a text --prompt, not --prompt-token-ids")
+        out = llm.generate({"prompt_token_ids": list(args.prompt_token_ids)}, sp,
+                           use_tqdm=False)[0]
+    elif args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
+    else:
+        out = llm.generate([args.prompt], sp, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    print(completion.text if llm.tokenizer is not None else
+          " ".join(str(t) for t in completion.token_ids))
     m = out.metrics
-    print(f"[{out.outputs[0].finish_reason}] nfe={m.nfe} steps={m.steps} "
+    print(f"[{completion.finish_reason}] nfe={m.nfe} steps={m.steps} "
           f"tokens/step={m.tokens_per_step:.2f} remasks={m.remasks} latency={m.latency_s:.3f}s",
           file=sys.stderr)
 
@@ -56,17 +79,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.list_tasks:
         print("\n".join(list_tasks()))
         return
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
     tasks = list_tasks() if args.task == ("all",) else args.task
     params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
-                    decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm)
+                    decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm,
+                    threads=args.threads)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
         print(f"[eval] {row.task} {row.decoding}{k}: accuracy {row.accuracy:.1%}, "
@@ -137,19 +155,52 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
             json.dump({"results": rows, "verification": verification}, f, indent=2)
 
 
+THREADS_HELP = ("torch intra-op threads (default: 1 for a tiny model, else the cores not busy "
+                "with other jobs)")
+KV_CACHES = ["none", "prefix", "dual"]
+LOAD_FORMATS = ["auto", "safetensors", "dummy"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
+
+
 def _bench_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="cover-tiny")
-    p.add_argument("--decoding", type=_csv, default=("low_confidence",))
-    p.add_argument("--decoding-params", type=_json_obj, default=None)
-    p.add_argument("--kv-cache", type=_csv, default=("dual",))
+    p.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
+    p.add_argument("--decoding", type=_csv, default=("low_confidence",),
+                   help="strategies, comma-separated")
+    p.add_argument("--decoding-params", type=_json_obj, default=None,
+                   help='JSON: {"knob": v} or {"<strategy>": {...}, ...}')
+    p.add_argument("--kv-cache", type=_csv, default=("dual",),
+                   help=f"cache modes, comma-separated ({', '.join(KV_CACHES)})")
     p.add_argument("--task", default=None, help="prompts from a task's held-out split")
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (pinned, reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--input-len", type=_positive_int, default=64, help="prompt tokens")
+    p.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens")
+    p.add_argument("--block-length", type=_positive_int, default=32, help="tokens per block")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="denoising steps of fixed-schedule strategies (default: theirs)")
+    add_threads_arg(p)
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def _help_everywhere(parser: argparse.ArgumentParser) -> None:
+    """--help of every subcommand shows each option's default (argparse's own formatter skips
+    options without a help text, and a subparser does not inherit it)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _help_everywhere(sub)
+            continue
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS):
+            continue
+        text = action.help or ""
+        if "(default" not in text and "default:" not in text:
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else "%(default)s"
+            action.help = f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,57 +208,71 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate once from a prompt")
-    g.add_argument("model")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("model", help="built-in name (cover-tiny, ...) or model directory")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-token-ids", type=_ints, default=None,
+                        help="prompt as comma-separated token ids (e.g. 5,6,7)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--decoding", default="cover")
-    g.add_argument("--decoding-params", type=_json_obj, default=None)
-    g.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--block-length", type=int, default=None)
-    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--decoding", default="cover", help="decoding strategy")
+    g.add_argument("--decoding-params", type=_json_obj, default=None,
+                   help='the strategy\'s knobs as JSON, e.g. {"threshold": 0.8}')
+    g.add_argument("--kv-cache", default="dual", choices=KV_CACHES)
+    g.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="generation slots (default: the checkpoint's generation_config.json "
+                        "max_new_tokens, else 64)")
+    g.add_argument("--block-length", type=_positive_int, default=None,
+                   help="tokens per block (default: the model's)")
+    g.add_argument("--steps", type=_positive_int, default=None,
+                   help="denoising steps of fixed-schedule strategies (default: theirs)")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: random weights (the only choice for weightless built-in shapes)")
+    add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="accuracy/NFE of strategies on verifiable tasks")
-    e.add_argument("--model", default="cover-tiny")
+    e.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
     e.add_argument("--task", type=_csv, default=("all",), help="task names or 'all'")
-    e.add_argument("--decoding", type=_csv, default=("low_confidence", "threshold"))
+    e.add_argument("--decoding", type=_csv, default=("low_confidence", "threshold"),
+                   help="strategies, comma-separated")
     e.add_argument("--decoding-params", type=_json_obj, default=None,
                    help='JSON: {"threshold": 0.8} or {"threshold": {"threshold": 0.8}, ...}')
-    e.add_argument("--tokens-per-step", type=_ints, default=(1,),
+    e.add_argument("--tokens-per-step", type=_positive_ints, default=(1,),
                    help="for fixed-schedule strategies: run once per k (steps = max_tokens/k)")
-    e.add_argument("--num", type=int, default=200)
+    e.add_argument("--num", type=_positive_int, default=200, help="problems per task")
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", default="none", choices=["none", "prefix", "dual"],
-                   help="none (default) is exact; the tasks decode their answer as one block, "
+    e.add_argument("--kv-cache", default="none", choices=KV_CACHES,
+                   help="none is exact; the tasks decode their answer as one block, "
                    "so prefix/dual freeze the prompt K/V of a fully masked answer")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
-    e.add_argument("--list-tasks", action="store_true")
-    e.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's; use 1 when other jobs share the cores)")
-    e.add_argument("--no-tqdm", action="store_true")
+    e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
+    add_threads_arg(e)
+    e.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = b.add_parser("throughput", help="tokens/s per decoding x kv_cache x batch size")
     _bench_common(t)
-    t.add_argument("--batch-size", type=_ints, default=(1,))
-    t.add_argument("--num-prompts", type=int, default=None, help="default: 2 x batch size")
+    t.add_argument("--batch-size", type=_positive_ints, default=(1,),
+                   help="batch sizes, comma-separated")
+    t.add_argument("--num-prompts", type=_positive_int, default=None,
+                   help="default: 2 x batch size")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
-    t.add_argument("--markdown", default=None)
+    t.add_argument("--markdown", default=None, help="write a markdown report here")
     t.add_argument("--plot", default=None, help="PNG: accuracy vs tokens/s, NFE/token bars")
     t.set_defaults(func=cmd_bench_throughput)
     lat = b.add_parser("latency", help="one request: per-step time by engine phase")
     _bench_common(lat)
-    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--repeats", type=_positive_int, default=3, help="requests timed")
     lat.set_defaults(func=cmd_bench_latency)
     from cover_vllm.entrypoints.serve_cli import add_serve_parsers
 
     add_serve_parsers(sub, b)
+    _help_everywhere(parser)
     return parser
 
 

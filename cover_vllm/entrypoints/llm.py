@@ -41,6 +41,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses when given no SamplingParams: the defaults, with
+        max_tokens from the checkpoint's generation_config.json (`max_new_tokens`) when it has
+        one (cover-tiny: 32, the length it was trained on)."""
+        if self.engine.default_max_tokens is None:
+            return SamplingParams()
+        return SamplingParams(max_tokens=self.engine.default_max_tokens)
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also run on deletion."""
         engine = getattr(self, "engine", None)
@@ -73,7 +81,8 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = (sampling_params if sampling_params is not None
+                  else self.get_default_sampling_params())
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         params = list(params)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from cover_vllm.entrypoints.cli import _ints, _json_obj
+from cover_vllm.entrypoints.cli import (KV_CACHES, LOAD_FORMATS, _json_obj, _positive_int,
+                                        _positive_ints, add_threads_arg)
 
 
 def serve_args(args: argparse.Namespace):
@@ -25,13 +26,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from cover_vllm.entrypoints.server import run_server
 
     run_server(serve_args(args))
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
@@ -54,22 +48,23 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 def add_serve_parsers(sub, bench) -> None:
     """`serve` under the top-level subparsers `sub`, `serve` under `bench`'s subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    s.add_argument("model")
+    s.add_argument("model", help="built-in name or model directory")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--decoding", default="cover", help="default strategy (per request: decoding)")
-    s.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
-    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--kv-cache", default="dual", choices=KV_CACHES)
+    s.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="requests decoded together")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--served-model-name", default=None, help="id in /v1/models (default: MODEL)")
-    s.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+    s.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    add_threads_arg(s)
+    s.add_argument("--seed", type=int, default=0, help="engine seed")
+    s.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="shard each engine's model over N worker processes")
     s.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="how tensor-parallel workers run (default: mp)")
-    s.add_argument("--data-parallel-size", "-dp", type=_positive, default=1,
+    s.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                    help="serve N whole engine replicas (Ray actors), least-loaded routing")
     s.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (default: RAY_ADDRESS, else start a small "
@@ -77,14 +72,16 @@ def add_serve_parsers(sub, bench) -> None:
     s.set_defaults(func=cmd_serve)
 
     v = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT per level")
-    v.add_argument("--url", default="http://127.0.0.1:8000")
-    v.add_argument("--concurrency", type=_ints, default=(1, 8, 64))
+    v.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    v.add_argument("--concurrency", type=_positive_ints, default=(1, 8, 64),
+                   help="client levels, comma-separated")
     v.add_argument("--duration", type=float, default=30.0, help="seconds per concurrency level")
-    v.add_argument("--max-tokens", type=int, default=64)
+    v.add_argument("--max-tokens", type=_positive_int, default=64, help="per request")
     v.add_argument("--model", default=None, help="default: the server's first model")
     v.add_argument("--prompt", action="append", default=None, help="repeat for several prompts")
-    v.add_argument("--decoding", default=None)
-    v.add_argument("--block-length", type=int, default=None)
+    v.add_argument("--decoding", default=None, help="default: the server's")
+    v.add_argument("--block-length", type=_positive_int, default=None,
+                   help="default: the model's")
     v.add_argument("--decoding-params", type=_json_obj, default=None)
     v.add_argument("--api-key", default=None)
     v.add_argument("--json", default=None)

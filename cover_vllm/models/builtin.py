@@ -27,6 +27,22 @@ class ResolvedModel:
     config: dict[str, Any]
     path: Path | None          # None: a weightless built-in config (load_format="dummy" only)
 
+    def max_new_tokens(self) -> int | None:
+        """The generation length the checkpoint declares (`max_new_tokens` in
+        generation_config.json, as Hugging Face writes it), or None when it declares none."""
+        file = self.path / "generation_config.json" if self.path is not None else None
+        if file is None or not file.is_file():
+            return None
+        try:
+            value = json.loads(file.read_text()).get("max_new_tokens")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"{file} is not a JSON object: {exc}") from None
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{file}: max_new_tokens must be a positive int, got {value!r}")
+        return value
+
 
 def resolve_model(model: str | Path) -> ResolvedModel:
     name = str(model)

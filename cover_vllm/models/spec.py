@@ -26,6 +26,7 @@ class ModelSpec:
     logit_shift: int                 # 0: position j predicted by row j; 1: by row j-1 (Dream)
     max_model_len: int
     default_block_length: int = 32
+    hidden_size: int = 0             # model width (sizes defaults such as the thread count)
     # Fast-dLLM's threshold decoder for this family reveals at most a per-step quota (masks/steps
     # plus a carry of skipped positions) and scores in float32 (Dream: dream/model/
     # generation_utils.py `_sample`, alg="confidence_threshold"); False: no quota (LLaDA).
@@ -66,6 +67,7 @@ class ModelSpec:
             logit_shift=1 if family == "dream" else 0,
             max_model_len=int(max_len),
             default_block_length=int(config.get("default_block_length", 32)),
+            hidden_size=int(config.get("d_model") or config.get("hidden_size") or 0),
             threshold_quota=family == "dream",
             saber_dream=family == "dream",
             hf_config=dict(config),

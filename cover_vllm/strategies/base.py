@@ -102,6 +102,14 @@ class Strategy(ABC):
         """Total steps when SamplingParams.steps is None (fixed-schedule strategies)."""
         return max_tokens
 
+    def check_steps(self, steps: int | None, max_tokens: int) -> None:
+        """Raise ValueError when SamplingParams.steps cannot mean anything for this strategy:
+        a step reveals at least one token, so more steps than max_tokens never run."""
+        if steps is not None and steps > max_tokens:
+            raise ValueError(f"steps ({steps}) exceeds max_tokens ({max_tokens}): decoding="
+                             f"{self.name!r} reveals at least one token a step; give steps <= "
+                             "max_tokens (or leave steps unset)")
+
     def default_block_length(self, max_tokens: int) -> int:
         """Block length when SamplingParams.block_length is None (default: the model's, capped
         at max_tokens). A decoder whose reference has no blocks returns max_tokens: one block."""

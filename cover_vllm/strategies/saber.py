@@ -132,6 +132,9 @@ class Saber(Strategy):
     def default_steps(self, max_tokens: int) -> int:
         return 512                 # only sizes the Dream port's time grid (its default steps)
 
+    def check_steps(self, steps: int | None, max_tokens: int) -> None:
+        """Any positive `steps` is fine: it sizes the time grid, not the number of steps."""
+
     def view_start(self, block_start: int, prompt_len: int) -> int:
         return prompt_len          # every generation slot up to the block end can be revised
 

@@ -14,6 +14,7 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from cover_vllm.worker.threads import apply_num_threads
 
 if TYPE_CHECKING:
     from cover_vllm.distributed.tensor_parallel import TensorParallel
@@ -34,8 +35,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, spec: ModelSpec,
                  tp: TensorParallel | None = None):
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        apply_num_threads(config.num_threads, spec.hidden_size, config.tensor_parallel_size)
         device = rank_device(config.device, tp.rank if tp is not None else 0)
         dtype = resolve_dtype(config.dtype, spec, config.device)
         self.model = model = instantiate(resolved, spec, dtype, config.load_format, config.seed,

@@ -187,7 +187,9 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
                             "every replica builds its own engine")
         from cover_vllm.engine.dp_router import DPRouter
 
-        max_model_len = ModelSpec.from_config(resolve_model(config.model).config).max_model_len
+        resolved = resolve_model(config.model)
+        max_model_len = ModelSpec.from_config(resolved.config).max_model_len
+        default_max_tokens = resolved.max_new_tokens()
         tokenizer = _server_tokenizer(config.model)   # before the replicas: fail early
         loop: EngineLoop | DPRouter = DPRouter(config, data_parallel_size,
                                                error_cls=EngineRequestError, metrics=stats)
@@ -196,6 +198,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         if isinstance(engine, EngineConfig):
             engine = Engine(engine)
         max_model_len, tokenizer = engine.spec.max_model_len, _server_tokenizer(config.model)
+        default_max_tokens = engine.default_max_tokens
         loop = EngineLoop(engine, stats)
 
     @asynccontextmanager
@@ -209,6 +212,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     app = FastAPI(title="cover_vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = serving.ServingContext(
         loop=loop, model_name=name, tokenizer=tokenizer, max_model_len=max_model_len,
+        default_max_tokens=default_max_tokens,
         default_decoding=config.decoding, created=int(time.time()),
         seeds=random.Random(config.seed))
     app.state.metrics, app.state.api_key = stats, api_key

@@ -165,8 +165,9 @@ class CompletionRequest(SamplingFields):
     def _suffix(cls, value):
         return _neutral(value or None, (None,), "suffix")
 
-    def max_new_tokens(self) -> int:
-        return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+    def max_new_tokens(self, model_default: int | None = None) -> int:
+        """max_tokens, else the checkpoint's max_new_tokens, else OpenAI's default."""
+        return self.max_tokens or model_default or DEFAULT_COMPLETION_TOKENS
 
 
 def _content_text(content: Any) -> str:
@@ -207,8 +208,10 @@ class ChatRequest(SamplingFields):
     def _top_logprobs(cls, value):
         return _neutral(value, (None, 0), "top_logprobs")
 
-    def max_new_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
+    def max_new_tokens(self, model_default: int | None = None) -> int:
+        """max_completion_tokens / max_tokens, else the checkpoint's max_new_tokens, else 64."""
+        return (self.max_completion_tokens or self.max_tokens or model_default
+                or DEFAULT_CHAT_TOKENS)
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]

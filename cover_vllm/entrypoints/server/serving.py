@@ -43,6 +43,7 @@ class ServingContext:
     model_name: str
     tokenizer: Any | None          # the server's own copy (the engine thread uses the engine's)
     max_model_len: int
+    default_max_tokens: int | None   # the checkpoint's max_new_tokens (generation_config.json)
     default_decoding: str
     created: int
     seeds: random.Random           # server-drawn seeds for requests that give none
@@ -237,7 +238,7 @@ async def _event_stream(ctx: ServingContext, head: dict, streams: list[RequestSt
 
 async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
                    prompts: list[list[int]], chat: bool):
-    params = sampling_params(ctx, req, prompts, req.max_new_tokens())
+    params = sampling_params(ctx, req, prompts, req.max_new_tokens(ctx.default_max_tokens))
     base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams = await submit_all(ctx, base_id, prompts, params)
     head = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
