@@ -14,7 +14,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import torch
 
 from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info, pin_threads,
                                             matmul_params_per_token, step_flops)
