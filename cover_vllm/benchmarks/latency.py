@@ -17,7 +17,6 @@ import dataclasses
 import statistics
 import time
 
-
 from cover_vllm.benchmarks.machine import pin_threads
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.entrypoints.llm import LLM

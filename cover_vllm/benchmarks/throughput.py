@@ -14,9 +14,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-
-from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info, pin_threads,
-                                            matmul_params_per_token, step_flops)
+from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info,
+                                            matmul_params_per_token, pin_threads,
+                                            step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.reference_decode import reference_generate
