@@ -12,9 +12,12 @@ from cover_vllm.engine.decide import run_strategies
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.executor import make_executor
+from cover_vllm.flops import FlopModel, item_shape
+from cover_vllm.models.loader import build_model
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
+from cover_vllm.cache_refresh import parse_cache_refresh, step_signals
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import Request
@@ -41,6 +44,9 @@ class Engine:
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
+        whole = build_model(self.spec, device="meta")             # all heads, no memory
+        self.flop_model = FlopModel.of(whole, whole.dims)
+        self.refresh_policy = config.refresh_policy
         self._strategies: dict[tuple[str, Any], Strategy] = {}
         self._requests: dict[str, Request] = {}
         self._counter = itertools.count()
@@ -75,8 +81,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
+        refresh = (self.refresh_policy if params.cache_refresh is None
+                   else parse_cache_refresh(params.cache_refresh))
         req = Request(request_id, text, ids, params, self._strategy(params), generator,
-                      params.kv_cache or self.config.kv_cache)
+                      params.kv_cache or self.config.kv_cache, refresh)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
 
@@ -120,9 +128,10 @@ class Engine:
         clock.lap("schedule")
         result = self.executor.execute_model(out)
         clock.lap("forward")
+        self._count_flops(out)
         decisions = run_strategies(out, self._requests, result)
         clock.lap("strategy")
-        finished = self._update(out, decisions)
+        finished = self._update(out, decisions, step_signals(out, result, decisions, self._requests))
         clock.lap("update")
         if self.step_times is not None:
             timing = clock.laps
@@ -138,11 +147,19 @@ class Engine:
             self.step_times.append(timing)
         return finished
 
-    def _update(self, out, decisions) -> list[RequestOutput]:
+    def _count_flops(self, out) -> None:
+        """Charge every request the model rows and FLOPs of its own work item."""
+        for item in out.items:
+            tokens, pairs, rows = item_shape(item)
+            m = self._requests[item.request_id].metrics
+            m.forward_tokens += tokens
+            m.flops += self.flop_model.forward(tokens, pairs, rows)
+
+    def _update(self, out, decisions, signals=None) -> list[RequestOutput]:
         """Apply decisions; a request whose block became FINAL yields an output (finished or a
         partial one whose text can never change: streaming sends only FINAL text)."""
         outputs = []
-        for req in self.scheduler.update_from_output(out, decisions):
+        for req in self.scheduler.update_from_output(out, decisions, signals):
             last = req.block_idx + 1 == len(req.blocks)
             if req.strategy.revises_done_blocks and not last:
                 req.block_idx += 1                   # nothing is FINAL before the request ends

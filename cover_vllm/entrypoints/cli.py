@@ -31,6 +31,26 @@ def _json_obj(value: str) -> dict:
     return obj
 
 
+def _kv_caches(value: str) -> tuple[str, ...]:
+    from cover_vllm.config import KV_CACHE_MODES
+
+    modes = _csv(value)
+    bad = [m for m in modes if m not in KV_CACHE_MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"kv_cache {bad[0]!r}; choose from {list(KV_CACHE_MODES)}")
+    return modes
+
+
+def _refreshes(value: str) -> tuple[str, ...]:
+    from cover_vllm.cache_refresh import parse_cache_refresh
+
+    policies = _csv(value)
+    try:
+        return tuple(parse_cache_refresh(p).label for p in policies)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from cover_vllm import LLM, SamplingParams
 
@@ -66,11 +86,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
-                    decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm)
+                    cache_refresh=args.cache_refresh, decoding_params=tuple(params.items()),
+                    use_tqdm=not args.no_tqdm)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
-        print(f"[eval] {row.task} {row.decoding}{k}: accuracy {row.accuracy:.1%}, "
-              f"NFE {row.nfe:.1f}, {row.seconds:.0f}s", file=sys.stderr, flush=True)
+        print(f"[eval] {row.task} {row.decoding}{k} {row.kv_cache} {row.cache_refresh}: "
+              f"accuracy {row.accuracy:.1%}, NFE {row.nfe:.2f}, refreshes {row.refreshes:.2f}, "
+              f"FLOPs/token {row.flops_per_token:.4g}, {row.seconds:.0f}s", file=sys.stderr,
+              flush=True)
 
     rows = run_eval(spec, on_row=progress)
     print(format_table(rows))
@@ -181,9 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num", type=int, default=200)
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", default="none", choices=["none", "prefix", "dual"],
-                   help="none (default) is exact; the tasks decode their answer as one block, "
-                   "so prefix/dual freeze the prompt K/V of a fully masked answer")
+    e.add_argument("--kv-cache", type=_kv_caches, default=("none",),
+                   help="none (default) is exact; prefix/dual (comma-separated: one row each) "
+                   "reuse K/V between refreshes (--cache-refresh)")
+    e.add_argument("--cache-refresh", type=_refreshes, default=("block",),
+                   help="refresh policies for prefix/dual rows, comma-separated: block, "
+                   "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true")
     e.add_argument("--threads", type=int, default=None,

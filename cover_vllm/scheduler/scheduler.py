@@ -1,8 +1,9 @@
 """Scheduler: admission by KV pages, one work item per running request per step, and updates.
 
 There is no global draft or verify phase: every running request has a next item. A refresh item
-(a full-canvas forward) starts each block when a cache mode is on, and every step with
-kv_cache="none"; other steps forward only the window the cache mode needs (Fast-dLLM):
+(a full-canvas forward) starts each block when a cache mode is on, every step with
+kv_cache="none", and whenever the request's `cache_refresh` policy asks (cache_refresh.py); other
+steps forward only the window the cache mode needs (Fast-dLLM):
 `prefix` = current block + suffix, `dual` = current block. Admission reserves pages for the whole
 canvas, so a running request never needs more and is never preempted.
 """
@@ -13,6 +14,7 @@ from collections import deque
 
 import torch
 
+from cover_vllm.cache_refresh import StepSignals
 from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
@@ -90,10 +92,9 @@ class Scheduler:
         return first_row, end
 
     def _work_item(self, req: Request) -> WorkItem:
-        interval = self.config.cache_refresh_interval
-        refresh = (req.kv_cache == "none" or req.needs_refresh
-                   or (interval is not None and req.steps_since_refresh + 1 >= interval))
         start, end = req.block
+        refresh = req.kv_cache == "none" or req.refresh.should_refresh(end - start,
+                                                                       req.block_masked())
         view_start = req.strategy.view_start(start, req.prompt_len)
         w_start, w_end = self._window(req, refresh, view_start)
         copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
@@ -117,22 +118,23 @@ class Scheduler:
         raise KeyError(request_id)
 
     # ---- after the forward -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, decisions: dict) -> list[Request]:
-        """Apply each request's decision; return the requests whose current block is complete."""
+    def update_from_output(self, out: SchedulerOutput, decisions: dict,
+                           signals: dict | None = None) -> list[Request]:
+        """Apply each request's decision; return the requests whose current block is complete.
+        `signals` (request id -> StepSignals) carries what the forward measured for refresh."""
         by_id = {r.request_id: r for r in self.running}
         done = []
         for item in out.items:
             req, d = by_id[item.request_id], decisions[item.request_id]
-            req.apply(item.view_start, d.commit, d.tokens, d.remask, d.replace)
+            step = (signals or {}).get(item.request_id) or StepSignals()
+            step.changed, step.revisions = req.apply(item.view_start, d.commit, d.tokens,
+                                                     d.remask, d.replace)
+            req.refresh.record(item.is_refresh, step)
             m = req.metrics
             m.nfe += 1
             m.keeps += d.keeps
             m.seeds_verified += d.verified
-            if item.is_refresh:
-                m.refreshes += 1
-                req.needs_refresh, req.steps_since_refresh = False, 0
-            else:
-                req.steps_since_refresh += 1
+            m.refreshes += int(item.is_refresh)
             if req.strategy.block_done(req.state, req.block_masked()):
                 done.append(req)
         return done
