@@ -17,7 +17,7 @@ from cover_vllm.models.loader import build_model
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
-from cover_vllm.cache_refresh import parse_cache_refresh, step_signals
+from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import Request
@@ -131,7 +131,7 @@ class Engine:
         self._count_flops(out)
         decisions = run_strategies(out, self._requests, result)
         clock.lap("strategy")
-        finished = self._update(out, decisions, step_signals(out, result, decisions, self._requests))
+        finished = self._update(out, decisions)
         clock.lap("update")
         if self.step_times is not None:
             timing = clock.laps
@@ -155,11 +155,11 @@ class Engine:
             m.forward_tokens += tokens
             m.flops += self.flop_model.forward(tokens, pairs, rows)
 
-    def _update(self, out, decisions, signals=None) -> list[RequestOutput]:
+    def _update(self, out, decisions) -> list[RequestOutput]:
         """Apply decisions; a request whose block became FINAL yields an output (finished or a
         partial one whose text can never change: streaming sends only FINAL text)."""
         outputs = []
-        for req in self.scheduler.update_from_output(out, decisions, signals):
+        for req in self.scheduler.update_from_output(out, decisions):
             last = req.block_idx + 1 == len(req.blocks)
             if req.strategy.revises_done_blocks and not last:
                 req.block_idx += 1                   # nothing is FINAL before the request ends

@@ -31,31 +31,22 @@ def _json_obj(value: str) -> dict:
     return obj
 
 
-def _kv_caches(value: str) -> tuple[str, ...]:
+def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--kv-cache and --cache-refresh lists, validated (ValueError naming the bad value)."""
+    from cover_vllm.cache_refresh import parse_cache_refresh
     from cover_vllm.config import KV_CACHE_MODES
 
-    modes = _csv(value)
-    bad = [m for m in modes if m not in KV_CACHE_MODES]
+    bad = [m for m in args.kv_cache if m not in KV_CACHE_MODES]
     if bad:
-        raise argparse.ArgumentTypeError(f"kv_cache {bad[0]!r}; choose from {list(KV_CACHE_MODES)}")
-    return modes
-
-
-def _refreshes(value: str) -> tuple[str, ...]:
-    from cover_vllm.cache_refresh import parse_cache_refresh
-
-    policies = _csv(value)
-    try:
-        return tuple(parse_cache_refresh(p).label for p in policies)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+        raise ValueError(f"kv_cache={bad[0]!r}; choose one of {list(KV_CACHE_MODES)}")
+    return args.kv_cache, tuple(parse_cache_refresh(p).label for p in args.cache_refresh)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from cover_vllm import LLM, SamplingParams
 
     llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache,
-              load_format=args.load_format)
+              cache_refresh=args.cache_refresh, load_format=args.load_format)
     sp = SamplingParams(max_tokens=args.max_tokens, block_length=args.block_length,
                         steps=args.steps, temperature=args.temperature,
                         decoding_params=args.decoding_params)
@@ -83,10 +74,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     tasks = list_tasks() if args.task == ("all",) else args.task
+    kv_caches, refreshes = _cache_choices(args)
     params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
-                    seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
-                    cache_refresh=args.cache_refresh, decoding_params=tuple(params.items()),
+                    seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
+                    cache_refresh=refreshes, decoding_params=tuple(params.items()),
                     use_tqdm=not args.no_tqdm)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
@@ -116,7 +108,9 @@ def _bench_spec(args: argparse.Namespace):
     from cover_vllm.benchmarks.throughput import ThroughputSpec
 
     params = _decoding_params(args.decoding_params, args.decoding)
-    return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=args.kv_cache,
+    kv_caches, refreshes = _cache_choices(args)
+    return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=kv_caches,
+                          cache_refreshes=refreshes,
                           batch_sizes=getattr(args, "batch_size", (1,)),
                           num_prompts=getattr(args, "num_prompts", None),
                           input_len=args.input_len, output_len=args.output_len,
@@ -165,6 +159,9 @@ def _bench_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoding", type=_csv, default=("low_confidence",))
     p.add_argument("--decoding-params", type=_json_obj, default=None)
     p.add_argument("--kv-cache", type=_csv, default=("dual",))
+    p.add_argument("--cache-refresh", type=_csv, default=("block",),
+                   help="refresh policies for prefix/dual rows, comma-separated: block, "
+                   "interval:N, adaptive")
     p.add_argument("--task", default=None, help="prompts from a task's held-out split")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
@@ -186,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoding", default="cover")
     g.add_argument("--decoding-params", type=_json_obj, default=None)
     g.add_argument("--kv-cache", default="dual", choices=["none", "prefix", "dual"])
+    g.add_argument("--cache-refresh", default="block",
+                   help="block (default), interval:N or adaptive")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--block-length", type=int, default=None)
     g.add_argument("--steps", type=int, default=None)
@@ -204,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num", type=int, default=200)
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", type=_kv_caches, default=("none",),
+    e.add_argument("--kv-cache", type=_csv, default=("none",),
                    help="none (default) is exact; prefix/dual (comma-separated: one row each) "
                    "reuse K/V between refreshes (--cache-refresh)")
-    e.add_argument("--cache-refresh", type=_refreshes, default=("block",),
+    e.add_argument("--cache-refresh", type=_csv, default=("block",),
                    help="refresh policies for prefix/dual rows, comma-separated: block, "
                    "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")

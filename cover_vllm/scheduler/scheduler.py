@@ -14,7 +14,6 @@ from collections import deque
 
 import torch
 
-from cover_vllm.cache_refresh import StepSignals
 from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
@@ -93,8 +92,7 @@ class Scheduler:
 
     def _work_item(self, req: Request) -> WorkItem:
         start, end = req.block
-        refresh = req.kv_cache == "none" or req.refresh.should_refresh(end - start,
-                                                                       req.block_masked())
+        refresh = req.kv_cache == "none" or req.refresh.should_refresh(end - start)
         view_start = req.strategy.view_start(start, req.prompt_len)
         w_start, w_end = self._window(req, refresh, view_start)
         copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
@@ -118,18 +116,15 @@ class Scheduler:
         raise KeyError(request_id)
 
     # ---- after the forward -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, decisions: dict,
-                           signals: dict | None = None) -> list[Request]:
-        """Apply each request's decision; return the requests whose current block is complete.
-        `signals` (request id -> StepSignals) carries what the forward measured for refresh."""
+    def update_from_output(self, out: SchedulerOutput, decisions: dict) -> list[Request]:
+        """Apply each request's decision; return the requests whose current block is complete."""
         by_id = {r.request_id: r for r in self.running}
         done = []
         for item in out.items:
             req, d = by_id[item.request_id], decisions[item.request_id]
-            step = (signals or {}).get(item.request_id) or StepSignals()
-            step.changed, step.revisions = req.apply(item.view_start, d.commit, d.tokens,
-                                                     d.remask, d.replace)
-            req.refresh.record(item.is_refresh, step)
+            changed, revised = req.apply(item.view_start, d.commit, d.tokens, d.remask,
+                                         d.replace)
+            req.refresh.record(item.is_refresh, changed, revised)
             m = req.metrics
             m.nfe += 1
             m.keeps += d.keeps

@@ -26,8 +26,6 @@ class ModelRunnerOutput:
     attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
     prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
     extra_logits: list[torch.Tensor | None] | None = None   # per item [E, V] (items with extras)
-    outside_mass: list[float | None] | None = None   # per item: share of the still-masked view
-                                                      # rows' attention on columns outside the view
 
 
 @dataclass
@@ -142,13 +140,12 @@ class ModelRunner:
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
             return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
-        drift, attn_in, outside = self._split_stats(out, stats)
-        return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
-                                 extra_logits=extra_logits, outside_mass=outside)
+        return ModelRunnerOutput(results, *self._split_stats(out, stats), prepare_s=prepare_s,
+                                 extra_logits=extra_logits)
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
-        drift, attn_in, outside = [], [], []
+        drift, attn_in = [], []
         offset, seq = 0, 0
         for item in out.items:
             view = slice(item.view_start - item.window_start, item.view_end - item.window_start)
@@ -157,17 +154,9 @@ class ModelRunner:
                 attn_in.append(torch.zeros(item.view_end - item.view_start)
                                if stats.attn_in is None
                                else stats.attn_in[seq, item.view_start:item.view_end])
-                if stats.attn_in is None:
-                    outside.append(None)
-                else:
-                    row = stats.attn_in[seq]
-                    total = float(row.sum())
-                    inside = float(row[item.view_start:item.view_end].sum())
-                    outside.append((total - inside) / total if total > 0 else None)
             else:
                 drift.append(None)
                 attn_in.append(None)
-                outside.append(None)
             offset += item.window_len * len(item.canvases)
             seq += len(item.canvases)
-        return drift, attn_in, outside
+        return drift, attn_in
