@@ -1,32 +1,42 @@
 """When a request's cached K/V are recomputed: the `cache_refresh` policy and its counters.
 
-With `kv_cache="prefix"` or `"dual"` a step forwards only the current block (and, for `prefix`,
-the suffix); every other position's K/V come from the last forward that computed them. A
-*refresh* is a step whose window is the whole canvas: every position's K/V are rewritten, and the
-step drafts (and verifies) like any other, so it costs no extra NFE, only a wider window (model
-FLOPs, cover_vllm/flops.py). A refresh is an ordinary work item of one request: the rest of the
-batch runs its own items in the same forward and never waits for it.
+With `kv_cache="prefix"` or `"dual"` a step forwards only part of the canvas; every other
+position's K/V come from the last forward that computed them. A *refresh* is a step whose window
+also covers the cached positions, so their K/V are rewritten; the step drafts (and verifies) like
+any other, so a refresh costs no extra NFE, only window rows (model FLOPs, cover_vllm/flops.py).
+A refresh is an ordinary work item of one request: the rest of the batch runs its own items in
+the same forward and never waits for it.
 
 Policies (`cache_refresh=`, per request in SamplingParams or engine-wide in `LLM(...)`):
 
-* `"block"` (default): refresh at each block start only (Fast-dLLM).
-* `"interval:N"`: also every N steps (N = 1: every step, the same forwards as
-  `kv_cache="none"`).
-* `"adaptive"`: also when the cache has fallen behind the canvas (`RefreshState.should_refresh`):
-  * a verification changed a token since the last refresh (COVER's Replace or ReMask: the check
-    just said the context the cache was built on was wrong), or
-  * `max_stale_steps` (2) steps have changed the canvas since the last refresh (the cached K/V
-    are two canvas versions old; steps that changed nothing, e.g. a COVER check that kept every
-    seed, do not age the cache), or
+* `"block"` (default): a whole-canvas refresh at each block start only (Fast-dLLM).
+* `"interval:N"`: also a whole-canvas refresh every N steps (N = 1: every step, the same
+  forwards as `kv_cache="none"`).
+* `"adaptive"`: with `dual`, a step forwards only the block positions whose cached K/V no longer
+  match the canvas (still [MASK], token changed since last computed, COVER's seeds, and their
+  predictor rows; `partial`), for strategies whose decision reads only those rows
+  (`Strategy.masked_rows_only`). The cached positions are refreshed when
+  (`RefreshState.should_refresh`):
+  * a verification changed a token since the last refresh (COVER's Replace or ReMask: the
+    check says the context the cache was built on was wrong), or
+  * `max_stale_steps` (2) steps have changed the canvas since the last refresh, while the
+    block's still-masked rows put at least `min_cached_mass` (0.3) of their attention on
+    positions outside the block (the drafts lean on the stale part), or
   * optionally, `min_changed_fraction` of the block has changed since the last refresh.
-  The signals and bars were chosen by measurement on cover-tiny (docs/benchmarks.md,
-  "Verification-driven cache refresh"): counting steps behind beat counting changed positions,
-  commit surprise, COVER's key drift and the attention mass on cached positions at equal cost.
+  Such a refresh is partial (`refresh_block=False`): it recomputes the cached positions that
+  took `refresh_mass_share` (0.97) of that attention, plus the stale block positions.
+  The block-start refresh stays whole. Signals and bars were chosen by measurement on cover-tiny
+  (docs/benchmarks.md, "Verification-driven cache refresh").
+
+This module owns the policy and the per-request counters; the scheduler asks it, per step,
+whether the next item is a refresh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 REFRESH_MODES = ("block", "interval", "adaptive")
 _HELP = "choose 'block', 'interval:N' (N >= 1) or 'adaptive'"
@@ -39,9 +49,18 @@ class CacheRefresh:
 
     mode: str = "block"
     interval: int | None = None                # steps between refreshes ("interval" only)
-    max_stale_steps: int = 2                   # adaptive: canvas-changing steps since refresh
-    on_revision: bool = True                   # adaptive: a check replaced/remasked a token
-    min_changed_fraction: float | None = None  # adaptive: changed block positions / block length
+    # adaptive only, from here on
+    max_stale_steps: int = 2                   # canvas-changing steps since the last refresh
+    on_revision: bool = True                   # a check replaced/remasked a token
+    min_changed_fraction: float | None = None  # changed block positions / block length
+    min_cached_mass: float | None = 0.3        # the stale-steps trigger fires only while the
+                                               # masked rows put this share of attention on
+                                               # cached positions (None: always)
+    partial: bool = True                       # dual: forward only the stale block positions
+    refresh_block: bool = False                # a triggered refresh also recomputes the
+                                               # block's unchanged tokens (a whole refresh)
+    refresh_mass_share: float | None = 0.97    # ... and only the cached positions holding this
+                                               # share of the attention on them (None: all)
 
     def __post_init__(self) -> None:
         if self.mode not in REFRESH_MODES:
@@ -56,9 +75,23 @@ class CacheRefresh:
                 or self.max_stale_steps < 1:
             raise ValueError("cache_refresh.max_stale_steps must be an int >= 1, got "
                              f"{self.max_stale_steps!r}")
+        for name in ("min_cached_mass", "refresh_mass_share"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"cache_refresh.{name} must be in [0, 1] or None, got {value!r}")
         if self.min_changed_fraction is not None and not 0.0 < self.min_changed_fraction <= 1.0:
             raise ValueError("cache_refresh.min_changed_fraction must be in (0, 1] or None, got "
                              f"{self.min_changed_fraction!r}")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether dual-cache steps forward only the stale block positions."""
+        return self.mode == "adaptive" and self.partial
+
+    @property
+    def wants_mass(self) -> bool:
+        """Whether the policy reads the attention mass on cached positions (stats layer)."""
+        return self.mode == "adaptive" and self.min_cached_mass is not None
 
     @property
     def label(self) -> str:
@@ -93,6 +126,9 @@ class RefreshState:
                                  # changed the canvas
     changed: int = 0             # positions whose token changed since the refresh forward
     revisions: int = 0           # of which a verification replaced or remasked
+    cached_mass: float | None = None   # last measured share of the masked rows' attention on
+                                       # positions outside the block
+    column_mass: torch.Tensor | None = None    # [L] that attention per key column
 
     def should_refresh(self, block_len: int) -> bool:
         """Whether the next step of this request must be a refresh."""
@@ -105,7 +141,9 @@ class RefreshState:
             return False
         if p.on_revision and self.revisions > 0:
             return True
-        if self.stale_steps >= p.max_stale_steps:
+        if self.stale_steps >= p.max_stale_steps and (
+                p.min_cached_mass is None or self.cached_mass is None
+                or self.cached_mass >= p.min_cached_mass):
             return True
         return p.min_changed_fraction is not None and \
             self.changed >= p.min_changed_fraction * block_len

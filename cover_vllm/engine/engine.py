@@ -128,7 +128,7 @@ class Engine:
         clock.lap("schedule")
         result = self.executor.execute_model(out)
         clock.lap("forward")
-        self._count_flops(out)
+        self._account(out, result)
         decisions = run_strategies(out, self._requests, result)
         clock.lap("strategy")
         finished = self._update(out, decisions)
@@ -147,13 +147,18 @@ class Engine:
             self.step_times.append(timing)
         return finished
 
-    def _count_flops(self, out) -> None:
-        """Charge every request the model rows and FLOPs of its own work item."""
-        for item in out.items:
+    def _account(self, out, result) -> None:
+        """Charge every request the model rows and FLOPs of its own work item; hand the
+        measured attention mass on cached positions to its refresh policy."""
+        masses = result.cached_mass or [None] * len(out.items)
+        columns = result.column_mass or [None] * len(out.items)
+        for item, mass, column in zip(out.items, masses, columns):
             tokens, pairs, rows = item_shape(item)
-            m = self._requests[item.request_id].metrics
-            m.forward_tokens += tokens
-            m.flops += self.flop_model.forward(tokens, pairs, rows)
+            req = self._requests[item.request_id]
+            req.metrics.forward_tokens += tokens
+            req.metrics.flops += self.flop_model.forward(tokens, pairs, rows)
+            if mass is not None:
+                req.refresh.cached_mass, req.refresh.column_mass = mass, column
 
     def _update(self, out, decisions) -> list[RequestOutput]:
         """Apply decisions; a request whose block became FINAL yields an output (finished or a

@@ -66,6 +66,8 @@ class Request:
         self.remasked_from: dict[int, int] = {}   # position -> token before its last remask
         self.arrival = time.perf_counter()
         self.refresh = RefreshState(cache_refresh or CacheRefresh())
+        # [L] the token each position's cached K/V were computed from (-1: never computed)
+        self.kv_tokens = torch.full_like(self.canvas, -1)
         self.seeds: list[int] = []              # positions verified in the current step
         self.output_token_ids: list[int] = []
         self.output_text = ""
