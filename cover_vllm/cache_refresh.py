@@ -24,7 +24,9 @@ Policies (`cache_refresh=`, per request in SamplingParams or engine-wide in `LLM
     positions outside the block (the drafts lean on the stale part), or
   * optionally, `min_changed_fraction` of the block has changed since the last refresh.
   Such a refresh is partial (`refresh_block=False`): it recomputes the cached positions that
-  took `refresh_mass_share` (0.97) of that attention, plus the stale block positions.
+  took `refresh_mass_share` (0.97) of that attention, plus the stale block positions. Beyond
+  the first of a block, a triggered refresh is paid for (`budget` 0.5): allowed once the rows
+  the sparse windows saved against whole-block windows reach half its rows.
   The block-start refresh stays whole. Signals and bars were chosen by measurement on cover-tiny
   (docs/benchmarks.md, "Verification-driven cache refresh").
 
@@ -61,6 +63,10 @@ class CacheRefresh:
                                                # block's unchanged tokens (a whole refresh)
     refresh_mass_share: float | None = 0.97    # ... and only the cached positions holding this
                                                # share of the attention on them (None: all)
+    budget: float | None = 0.5                 # a triggered refresh must be paid for: allowed
+                                               # once the rows sparse windows saved (against
+                                               # the whole block) reach budget x its rows; the
+                                               # block's first one is free (None: no budget)
 
     def __post_init__(self) -> None:
         if self.mode not in REFRESH_MODES:
@@ -126,19 +132,33 @@ class RefreshState:
                                  # changed the canvas
     changed: int = 0             # positions whose token changed since the refresh forward
     revisions: int = 0           # of which a verification replaced or remasked
+    credit: float = 0.0          # rows saved by sparse windows, minus refreshes paid for
     cached_mass: float | None = None   # last measured share of the masked rows' attention on
                                        # positions outside the block
     column_mass: torch.Tensor | None = None    # [L] that attention per key column
 
-    def should_refresh(self, block_len: int) -> bool:
-        """Whether the next step of this request must be a refresh."""
+    def should_refresh(self, block_len: int, cached_len: int) -> bool:
+        """Whether the next step of this request must be a refresh (`cached_len`: positions
+        outside the block, what a refresh recomputes)."""
         p = self.policy
         if self.pending:
+            self.credit = 0.0 if p.budget is None else p.budget * cached_len   # one free
             return True
         if p.mode == "interval":
             return self.steps_since + 1 >= p.interval
-        if p.mode != "adaptive":
+        if p.mode != "adaptive" or not self._signal(block_len):
             return False
+        if p.budget is None:
+            return True
+        cost = p.budget * cached_len
+        if self.credit < cost:
+            return False
+        self.credit -= cost
+        return True
+
+    def _signal(self, block_len: int) -> bool:
+        """Whether an adaptive signal has crossed its bar."""
+        p = self.policy
         if p.on_revision and self.revisions > 0:
             return True
         if self.stale_steps >= p.max_stale_steps and (
@@ -147,6 +167,10 @@ class RefreshState:
             return True
         return p.min_changed_fraction is not None and \
             self.changed >= p.min_changed_fraction * block_len
+
+    def save(self, rows: int) -> None:
+        """A sparse window ran `rows` fewer rows than the whole block would have."""
+        self.credit += rows
 
     def record(self, is_refresh: bool, changed: int, revisions: int) -> None:
         """After a step that changed `changed` positions (`revisions` of them by a check). The

@@ -124,7 +124,8 @@ class Scheduler:
 
     def _work_item(self, req: Request) -> WorkItem:
         start, end = req.block
-        refresh = req.kv_cache == "none" or req.refresh.should_refresh(end - start)
+        refresh = req.kv_cache == "none" or req.refresh.should_refresh(
+            end - start, req.canvas_len - (end - start))
         view_start = req.strategy.view_start(start, req.prompt_len)
         seeds = req.strategy.select_seeds(req.state, req.canvas[start:end], start)
         req.seeds = seeds
@@ -137,6 +138,8 @@ class Scheduler:
         elif sparse and not refresh:
             positions = self._sparse_window(req, seeds, outside=False)
         if positions is not None:
+            if not refresh:
+                req.refresh.save(end - start - int(positions.numel()))
             w_start = int(positions[0])
             canvases = [CanvasInput(req.canvas[positions], req.pages[0].key_slots)]
             rel = torch.searchsorted(positions, torch.tensor(seeds, dtype=torch.long))
