@@ -137,13 +137,12 @@ class Engine:
             timing = clock.laps
             timing["prepare"] = result.prepare_s
             timing["forward"] -= result.prepare_s
-            timing["num_tokens"] = out.num_tokens
+            shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
+            timing["num_tokens"] = sum(t for t, _, _ in shapes)
             timing["num_seqs"] = len(out.items)
             timing["num_refresh"] = sum(i.is_refresh for i in out.items)
-            timing["attn_pairs"] = sum(i.window_len * len(i.canvases) * i.canvases[0].key_slots.numel()
-                                       for i in out.items)
-            timing["logit_rows"] = sum((i.view_end - i.view_start) * len(i.canvases)
-                                       for i in out.items)
+            timing["attn_pairs"] = sum(p for _, p, _ in shapes)
+            timing["logit_rows"] = sum(r for _, _, r in shapes)
             self.step_times.append(timing)
         return finished
 
