@@ -225,3 +225,15 @@ def test_flops_count_window_rows_and_refreshes(llada_dir):
     (dual,) = LLM(llada_dir, kv_cache="dual").generate(PROMPTS[:1], _params(), use_tqdm=False)
     assert dual.metrics.forward_tokens == 3 * canvas + (dual.metrics.nfe - 3) * 8
     assert fm.params_per_token > 0 and torch.isfinite(torch.tensor(dual.metrics.flops))
+
+
+def test_a_refresh_is_one_item_of_a_mixed_batch(llada_dir):
+    """One request refreshing never turns its batch-mates' steps into refreshes."""
+    engine = Engine(EngineConfig(model=llada_dir, decoding="threshold", kv_cache="dual"))
+    engine.add_request("every", [5, 6, 7], SamplingParams(max_tokens=16, block_length=8,
+                                                          cache_refresh="interval:1"))
+    engine.add_request("block", [5, 6, 7], SamplingParams(max_tokens=16, block_length=8))
+    engine.step()                                      # both start their block: refreshes
+    items = {i.request_id: i for i in engine.scheduler.schedule().items}
+    assert items["every"].is_refresh and items["every"].window_len == 3 + 16
+    assert not items["block"].is_refresh and items["block"].window_len == 8
