@@ -139,7 +139,8 @@ class RefreshState:
 
     def should_refresh(self, block_len: int, cached_len: int) -> bool:
         """Whether the next step of this request must be a refresh (`cached_len`: positions
-        outside the block, what a refresh recomputes)."""
+        outside the block, what a refresh recomputes). Called once per scheduled step: a
+        budgeted refresh is paid for here."""
         p = self.policy
         if self.pending:
             self.credit = 0.0 if p.budget is None else p.budget * cached_len   # one free

@@ -54,12 +54,17 @@ def write_plot(report: dict, path: str) -> None:
               f"bs={r['batch_size']}" for r in rows]
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(19, 5.5))
     has_acc = all(r["accuracy"] is not None for r in rows)
+    # marker = decoding, colour = cache mode and refresh policy (and batch size)
+    markers = {d: "osD^vP*Xph"[i % 10] for i, d in enumerate(dict.fromkeys(
+        r["decoding"] for r in rows))}
+    caches = list(dict.fromkeys(label.split("\n")[1] for label in labels))
+    colours = {c: plt.get_cmap("tab10" if len(caches) <= 10 else "tab20")(i % 20)
+               for i, c in enumerate(caches)}
     for r, label in zip(rows, labels):
         y = 100 * r["accuracy"] if has_acc else r["speedup_vs_reference"] or 0.0
-        left.scatter(r["tokens_per_s"], y, s=60, label=label.replace("\n", " "))
-        mid.scatter(r.get("flops_per_token", 0.0) / 1e6, y, s=60)
-        mid.annotate(label.replace("\n", " "), (r.get("flops_per_token", 0.0) / 1e6, y),
-                     fontsize=5, alpha=0.7)
+        style = dict(s=60, marker=markers[r["decoding"]], color=colours[label.split("\n")[1]])
+        left.scatter(r["tokens_per_s"], y, label=label.replace("\n", " "), **style)
+        mid.scatter(r.get("flops_per_token", 0.0) / 1e6, y, **style)
     left.set_xlabel("throughput (output tokens / s)")
     left.set_ylabel("accuracy (%)" if has_acc else "speed-up vs reference loop (x)")
     left.set_title("accuracy vs throughput" if has_acc else "speed-up vs throughput")
@@ -67,7 +72,7 @@ def write_plot(report: dict, path: str) -> None:
     left.legend(fontsize=7, loc="best")
     mid.set_xlabel("model MFLOPs per generated token (window rows + refreshes)")
     mid.set_ylabel(left.get_ylabel())
-    mid.set_title("accuracy vs model FLOPs per token")
+    mid.set_title("accuracy vs model FLOPs per token (legend: left)")
     mid.grid(alpha=0.3)
     right.bar(range(len(rows)), [r["nfe_per_token"] for r in rows], color="tab:orange")
     right.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
