@@ -162,12 +162,13 @@ def test_adaptive_refreshes_when_the_signal_crosses_and_not_otherwise(llada_dir)
     assert busy.metrics.refreshes == busy.metrics.nfe == 8
 
 
+@pytest.mark.parametrize("model", ["llada", "dream"])
 @pytest.mark.parametrize("decoding", ["threshold", "low_confidence", "cover"])
-def test_adaptive_decodes_and_saves_rows(llada_dir, decoding):
+def test_adaptive_decodes_and_saves_rows(llada_dir, dream_dir, model, decoding):
+    path = llada_dir if model == "llada" else dream_dir
     sp = dict(max_tokens=24, block_length=8, ignore_eos=True, decoding=decoding)
-    exact = LLM(llada_dir, kv_cache="none").generate(PROMPTS, SamplingParams(**sp),
-                                                     use_tqdm=False)
-    outs = LLM(llada_dir, kv_cache="dual", cache_refresh="adaptive").generate(
+    exact = LLM(path, kv_cache="none").generate(PROMPTS, SamplingParams(**sp), use_tqdm=False)
+    outs = LLM(path, kv_cache="dual", cache_refresh="adaptive").generate(
         PROMPTS, SamplingParams(**sp), use_tqdm=False)
     for o, e in zip(outs, exact):
         assert len(o.outputs[0].token_ids) == 24 and 3 <= o.metrics.refreshes <= o.metrics.nfe
