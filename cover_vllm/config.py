@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
+
+from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 
 KV_CACHE_MODES = ("none", "prefix", "dual")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
@@ -25,7 +28,8 @@ class EngineConfig:
     load_format: str = "auto"
     page_size: int = 16                 # tokens per KV page
     attention_backend: str = "sdpa"     # "sdpa" | "reference"
-    cache_refresh_interval: int | None = None   # None: refresh at block starts; N: every N steps
+    cache_refresh: str | CacheRefresh = "block"   # "block" | "interval:N" | "adaptive"
+    cache_refresh_interval: int | None = None   # deprecated alias: N == cache_refresh="interval:N"
     num_threads: int | None = None      # torch intra-op threads (None: torch's default)
     device: str = "cpu"
     distributed_timeout_s: float = 60.0   # tensor parallelism: max wait on a collective / reply
@@ -46,14 +50,29 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0 (or None for the default)")
-        if self.cache_refresh_interval is not None and self.cache_refresh_interval <= 0:
-            raise ValueError("cache_refresh_interval must be >= 1 or None")
+        if self.cache_refresh_interval is not None:
+            if isinstance(self.cache_refresh_interval, bool) or not isinstance(
+                    self.cache_refresh_interval, int) or self.cache_refresh_interval <= 0:
+                raise ValueError("cache_refresh_interval must be >= 1 or None")
+            if parse_cache_refresh(self.cache_refresh).mode != "block":
+                raise ValueError("give cache_refresh or the deprecated cache_refresh_interval, "
+                                 "not both")
+            warnings.warn("cache_refresh_interval=N is deprecated; use "
+                          "cache_refresh='interval:N'", DeprecationWarning, stacklevel=3)
+        parse_cache_refresh(self.cache_refresh)       # ValueError naming the allowed forms
         if isinstance(self.distributed_timeout_s, bool) or not isinstance(
                 self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got "
                              f"{self.distributed_timeout_s!r}")
         if not isinstance(self.seed, int):
             raise TypeError("seed must be an int")
+
+    @property
+    def refresh_policy(self) -> CacheRefresh:
+        """The engine-wide refresh policy (the deprecated interval alias resolved)."""
+        if self.cache_refresh_interval is not None:
+            return CacheRefresh("interval", self.cache_refresh_interval)
+        return parse_cache_refresh(self.cache_refresh)
 
     def kv_budget_bytes(self, bytes_per_token: int, max_model_len: int) -> int:
         """The KV pool size: the user's budget, else room for max_num_seqs full canvases (capped)."""

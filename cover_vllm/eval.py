@@ -3,7 +3,9 @@
 Every strategy runs on the same prompts in one process; each row reports the task verifier's
 accuracy and per-request means of the engine's counters. Fixed-schedule strategies (e.g.
 `low_confidence`) run once per `--tokens-per-step` value (steps = max_tokens / k); adaptive ones
-(threshold, cover, ...) once.
+(threshold, cover, ...) once. Every row runs once per cache mode (`--kv-cache`) and, for the
+approximate modes, once per refresh policy (`--cache-refresh`); `flops_per_token` is model FLOPs
+per generated token (cover_vllm/flops.py), so a refresh's cost is visible beside NFE.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.flops import flops_per_token
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import strategy_class
 from cover_vllm.tasks import Example, Task, chat_prompt_ids, get_task
@@ -24,6 +27,8 @@ class EvalRow:
     task: str
     decoding: str
     k: int | None               # fixed tokens per step (fixed-schedule strategies), else None
+    kv_cache: str
+    cache_refresh: str          # refresh policy ("-" for kv_cache="none": every step is one)
     num: int
     accuracy: float
     nfe: float                  # per-request means from here on
@@ -34,6 +39,8 @@ class EvalRow:
     flip_flops: float
     replaces: float
     keeps: float
+    refreshes: float            # full-canvas forwards per request
+    flops_per_token: float      # model FLOPs / generated tokens (cover_vllm/flops.py)
     seconds: float
 
 
@@ -45,10 +52,26 @@ class EvalSpec:
     num: int = 200
     seed: int | None = None            # None: the task's fixed held-out split
     tokens_per_step: tuple[int, ...] = (1,)
-    kv_cache: str = "none"
+    kv_cache: str | tuple[str, ...] = "none"       # one mode or several (one row each)
+    cache_refresh: tuple[str, ...] = ("block",)    # policies for the prefix/dual rows
     decoding_params: tuple = ()        # ((name, {params}), ...)
     use_tqdm: bool = True
     threads: int | None = None         # torch intra-op threads (None: the engine's default)
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """The cache mode and refresh policy of one eval row (None: the LLM's defaults)."""
+
+    kv_cache: str | None = None
+    cache_refresh: str | None = None
+
+
+def cache_choices(spec: EvalSpec) -> list[CacheChoice]:
+    """One choice per kv_cache mode; the approximate modes once per refresh policy."""
+    modes = (spec.kv_cache,) if isinstance(spec.kv_cache, str) else tuple(spec.kv_cache)
+    return [CacheChoice(kv, None if kv == "none" else policy) for kv in modes
+            for policy in (("block",) if kv == "none" else spec.cache_refresh)]
 
 
 def problems(task: Task, num: int, seed: int | None) -> list[Example]:
@@ -65,24 +88,32 @@ def _mean(values) -> float:
 
 
 def evaluate_one(llm: LLM, task: Task, examples: list[Example], decoding: str, k: int | None,
-                 params: dict | None, use_tqdm: bool) -> tuple[EvalRow, list]:
+                 params: dict | None, use_tqdm: bool, *, cache: CacheChoice | None = None
+                 ) -> tuple[EvalRow, list]:
     prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, ex.prompt)} for ex in examples]
     steps = None if k is None else max(1, task.max_tokens // k)
+    cache = cache or CacheChoice()
     sp = SamplingParams(max_tokens=task.max_tokens, block_length=task.block_length, steps=steps,
-                        decoding=decoding, decoding_params=params)
+                        decoding=decoding, decoding_params=params, kv_cache=cache.kv_cache,
+                        cache_refresh=cache.cache_refresh)
+    kv = cache.kv_cache or llm.engine.config.kv_cache
+    policy = "-" if kv == "none" else (cache.cache_refresh or llm.engine.refresh_policy.label)
     start = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
     correct = [task.check(ex.prompt, o.outputs[0].text) for ex, o in zip(examples, outs)]
     ms = [o.metrics for o in outs]
     row = EvalRow(
-        task=task.name, decoding=decoding, k=k, num=len(examples), accuracy=_mean(correct),
+        task=task.name, decoding=decoding, k=k, kv_cache=kv, cache_refresh=policy,
+        num=len(examples), accuracy=_mean(correct),
         nfe=_mean(m.nfe for m in ms),
         nfe_per_token=_mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
         tokens_per_step=_mean(m.tokens_per_step for m in ms),
         tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / seconds,
         remasks=_mean(m.remasks for m in ms), flip_flops=_mean(m.flip_flops for m in ms),
-        replaces=_mean(m.replaces for m in ms), keeps=_mean(m.keeps for m in ms), seconds=seconds)
+        replaces=_mean(m.replaces for m in ms), keeps=_mean(m.keeps for m in ms),
+        refreshes=_mean(m.refreshes for m in ms), flops_per_token=flops_per_token(ms),
+        seconds=seconds)
     return row, outs
 
 
@@ -92,7 +123,8 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
     for name in spec.decodings:
         strategy_class(name)                       # unknown names fail before any work
     tasks = [get_task(name) for name in spec.tasks]
-    llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_cache,
+    choices = cache_choices(spec)
+    llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=choices[0].kv_cache,
               num_threads=spec.threads)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
@@ -103,18 +135,21 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
         for decoding in spec.decodings:
             fixed = strategy_class(decoding).fixed_schedule
             for k in (spec.tokens_per_step if fixed else (None,)):
-                row, _ = evaluate_one(llm, task, examples, decoding, k, params.get(decoding),
-                                      spec.use_tqdm)
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+                for cache in choices:
+                    row, _ = evaluate_one(llm, task, examples, decoding, k, params.get(decoding),
+                                          spec.use_tqdm, cache=cache)
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
     return rows
 
 
-COLUMNS = [("task", "{}"), ("decoding", "{}"), ("k", "{}"), ("num", "{}"),
+COLUMNS = [("task", "{}"), ("decoding", "{}"), ("k", "{}"), ("kv_cache", "{}"),
+           ("cache_refresh", "{}"), ("num", "{}"),
            ("accuracy", "{:.1%}"), ("nfe", "{:.1f}"), ("nfe_per_token", "{:.3f}"),
            ("tokens_per_step", "{:.2f}"), ("tokens_per_s", "{:.0f}"), ("remasks", "{:.2f}"),
-           ("flip_flops", "{:.2f}"), ("replaces", "{:.2f}"), ("keeps", "{:.2f}")]
+           ("flip_flops", "{:.2f}"), ("replaces", "{:.2f}"), ("keeps", "{:.2f}"),
+           ("refreshes", "{:.2f}"), ("flops_per_token", "{:.4g}")]
 
 
 def format_table(rows: list[EvalRow]) -> str:

@@ -20,6 +20,8 @@ class RequestMetrics:
     keeps: int = 0               # verified tokens left as they were
     seeds_verified: int = 0      # positions verified (COVER seeds; revocable checks)
     refreshes: int = 0           # full-canvas forwards (block starts with a cache; every step without)
+    forward_tokens: int = 0      # query rows this request ran through the model (all forwards)
+    flops: float = 0.0           # model FLOPs of those rows (cover_vllm/flops.py)
     latency_s: float = 0.0       # arrival to finish, wall clock
 
     def as_dict(self) -> dict:

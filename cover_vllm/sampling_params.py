@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
 
 _INT_FIELDS = ("max_tokens", "block_length", "steps", "top_k", "seed")
@@ -35,7 +36,8 @@ class SamplingParams:
     denoising steps for strategies with a fixed schedule (None: the strategy's default, e.g. one
     token per step for `low_confidence`). `decoding` overrides the engine's default strategy and
     `decoding_params` (a dict or the strategy's params dataclass) its knobs; `kv_cache` overrides
-    the engine's cache mode for this request ("none" | "prefix" | "dual").
+    the engine's cache mode for this request ("none" | "prefix" | "dual") and `cache_refresh` its
+    refresh policy ("block" | "interval:N" | "adaptive"; cover_vllm/cache_refresh.py).
     """
 
     max_tokens: int = 64
@@ -51,6 +53,7 @@ class SamplingParams:
     decoding: str | None = None
     decoding_params: Any = None
     kv_cache: str | None = None
+    cache_refresh: str | CacheRefresh | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,5 +89,10 @@ class SamplingParams:
         if self.kv_cache is not None and self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"SamplingParams.kv_cache={self.kv_cache!r}; choose one of "
                              f"{list(KV_CACHE_MODES)} or None")
+        if self.cache_refresh is not None:
+            try:
+                parse_cache_refresh(self.cache_refresh)
+            except ValueError as exc:
+                raise ValueError(f"SamplingParams.{exc}") from None
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")

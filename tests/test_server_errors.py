@@ -68,6 +68,10 @@ CASES = [
     ("stream wrong type", C, _c(stream="yes"), 400, "stream", None),
     ("unknown field", C, _c(decodng="cover"), 400, "decodng", "extra_forbidden"),
     ("bad kv_cache", C, _c(kv_cache="quad"), 400, "kv_cache", None),
+    ("bad cache_refresh", C, _c(cache_refresh="sometimes"), 400, "cache_refresh", None),
+    ("cache_refresh interval zero", C, _c(cache_refresh="interval:0"), 400, "cache_refresh",
+     None),
+    ("cache_refresh wrong type", C, _c(cache_refresh=2), 400, "cache_refresh", None),
     ("negative seed", C, _c(seed=-1), 400, "seed", None),
     ("empty stop string", C, _c(stop=[""]), 400, "stop", None),
     ("chat without messages", CHAT, {"model": "test-model"}, 400, "messages", "missing"),
@@ -125,6 +129,13 @@ def test_bad_input_is_a_4xx_and_server_keeps_serving(http, name, path, body, sta
         resp = http.post(path, json=body)
     _assert_error(resp, status, param, code)
     _good(http)
+
+
+@pytest.mark.parametrize("policy", ["block", "interval:2", "adaptive"])
+def test_cache_refresh_body_field_is_accepted(http, policy) -> None:
+    resp = http.post(C, json=_c(cache_refresh=policy, kv_cache="dual", max_tokens=8))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_bad_input_on_a_stream_is_refused_before_streaming(http) -> None:

@@ -32,6 +32,20 @@ class SeqLayout:
     override: list[tuple[int, int]]   # (position s, predictor row position r); both in window
     hidden_keys: torch.Tensor | None = None   # [L] bool, True = key hidden from every query
     extra_allowed: torch.Tensor | None = None  # [E, L + E] bool: extra rows' visible keys
+    positions: torch.Tensor | None = None     # [window_len] sorted canvas positions of a sparse
+                                              # window (None: window_start.. contiguous)
+
+    def window_positions(self) -> torch.Tensor:
+        """[window_len] canvas position of every query row."""
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.window_start, self.window_start + self.window_len)
+
+    def row_of(self, positions: list[int]) -> list[int]:
+        """Window rows (0-based) of canvas positions that are in the window."""
+        if self.positions is None:
+            return [p - self.window_start for p in positions]
+        return torch.searchsorted(self.positions, torch.tensor(positions)).tolist()
 
 
 @dataclass
@@ -118,12 +132,15 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         out_index.append(torch.arange(i * q_max, i * q_max + n))
         key_slots[i, :length] = s.key_slots
         key_valid[i, :length] = True if s.hidden_keys is None else ~s.hidden_keys
-        slots = s.key_slots[s.window_start:s.window_start + n]
+        slots = (s.key_slots[s.window_start:s.window_start + n] if s.positions is None
+                 else s.key_slots[s.positions])
         if s.override:
-            overrides += [(i, offset + pos - s.window_start, offset + row - s.window_start,
-                           row - s.window_start, pos, e) for e, (pos, row) in enumerate(s.override)]
+            src = s.row_of([pos for pos, _ in s.override])
+            rows = s.row_of([row for _, row in s.override])
+            overrides += [(i, offset + a, offset + r, r, pos, e)
+                          for e, (a, r, (pos, _)) in enumerate(zip(src, rows, s.override))]
             keep = torch.ones(n, dtype=torch.bool)
-            keep[[pos - s.window_start for pos, _ in s.override]] = False
+            keep[src] = False
             flat, slots = flat[keep], slots[keep]
         write_index.append(flat)
         write_slots.append(slots)

@@ -35,7 +35,7 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3, log=print) -> list[dict]
     rows = []
     for kv in spec.kv_caches:
         for decoding in spec.decodings:
-            sp = work.params(spec, decoding, kv)
+            sp = work.params(spec, decoding, (kv, spec.cache_refreshes[0]))
             llm.generate(work.prompts[:1], sp, use_tqdm=False)            # warm-up
             steps, nfe = [], []
             for prompt in work.prompts[:repeats]:
@@ -94,7 +94,7 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     executor = llm.engine.executor
     rows = []
     for kv in spec.kv_caches:
-        sp = work.params(spec, decoding, kv)
+        sp = work.params(spec, decoding, (kv, spec.cache_refreshes[0]))
         recorded = _record_steps(llm, decoding, lambda: [llm.generate([p], sp, use_tqdm=False)
                                                          for p in work.prompts[:repeats]])
         steps = [(out, dec) for out, dec in recorded if any(i.override for i in out.items)

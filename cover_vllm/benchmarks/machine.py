@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from cover_vllm.flops import FlopModel
 from cover_vllm.models.base import ModelDims
 
 
@@ -46,11 +47,10 @@ def matmul_params_per_token(model: torch.nn.Module, dims: ModelDims) -> int:
 
 
 def step_flops(dims: ModelDims, params_per_token: int, timing: dict) -> float:
-    """Model FLOPs of one engine step from its recorded shape (linears, attention, head)."""
-    linear = 2 * params_per_token * timing["num_tokens"]
-    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * timing["attn_pairs"]
-    head = 2 * dims.hidden_size * dims.vocab_size * timing["logit_rows"]
-    return linear + attention + head
+    """Model FLOPs of one engine step from its recorded shape (cover_vllm/flops.py)."""
+    model = FlopModel(params_per_token, 4 * dims.num_layers * dims.num_heads * dims.head_dim,
+                      2 * dims.hidden_size * dims.vocab_size)
+    return model.forward(timing["num_tokens"], timing["attn_pairs"], timing["logit_rows"])
 
 
 def dense_forward_flops(dims: ModelDims, params_per_token: int, length: int) -> float:

@@ -1,14 +1,17 @@
-"""Benchmark reports: the terminal/markdown table and the PNG (accuracy vs tokens/s, NFE/token)."""
+"""Benchmark reports: the terminal/markdown table and the PNG (accuracy vs tokens/s, accuracy vs
+model FLOPs per token, NFE/token)."""
 
 from __future__ import annotations
 
-COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("num_prompts", "{}"),
+COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("cache_refresh", "{}"),
+           ("num_prompts", "{}"),
            ("tokens_per_s", "{:.1f}"), ("speedup_vs_reference", "{:.2f}x"),
            ("requests_per_s", "{:.2f}"), ("accuracy", "{:.1%}"), ("nfe_per_token", "{:.3f}"),
            ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
            ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("remasks", "{:.2f}"),
            ("flip_flops", "{:.2f}"), ("peak_kv_pages", "{}"), ("overhead_fraction", "{:.1%}"),
-           ("mfu", "{:.1%}"), ("flop_ratio_vs_reference", "{:.2f}x")]
+           ("mfu", "{:.1%}"), ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
+           ("flops_per_token", "{:.4g}")]
 
 
 def _cell(fmt: str, value) -> str:
@@ -39,25 +42,38 @@ def format_markdown(report: dict, command: str) -> str:
 
 
 def write_plot(report: dict, path: str) -> None:
-    """Left: accuracy (or tokens/s when there is no verifier) per combination against tokens/s;
-    right: NFE per token per combination."""
+    """Left: accuracy (or speed-up when there is no verifier) per combination against tokens/s;
+    middle: the same against model FLOPs per token (what a refresh costs); right: NFE/token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]
-    labels = [f"{r['decoding']}\n{r['kv_cache']} bs={r['batch_size']}" for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    labels = [f"{r['decoding']}\n{r['kv_cache']} {r.get('cache_refresh', '-')} "
+              f"bs={r['batch_size']}" for r in rows]
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(19, 5.5))
     has_acc = all(r["accuracy"] is not None for r in rows)
+    # marker = decoding, colour = cache mode and refresh policy (and batch size)
+    markers = {d: "osD^vP*Xph"[i % 10] for i, d in enumerate(dict.fromkeys(
+        r["decoding"] for r in rows))}
+    caches = list(dict.fromkeys(label.split("\n")[1] for label in labels))
+    colours = {c: plt.get_cmap("tab10" if len(caches) <= 10 else "tab20")(i % 20)
+               for i, c in enumerate(caches)}
     for r, label in zip(rows, labels):
         y = 100 * r["accuracy"] if has_acc else r["speedup_vs_reference"] or 0.0
-        left.scatter(r["tokens_per_s"], y, s=60, label=label.replace("\n", " "))
+        style = dict(s=60, marker=markers[r["decoding"]], color=colours[label.split("\n")[1]])
+        left.scatter(r["tokens_per_s"], y, label=label.replace("\n", " "), **style)
+        mid.scatter(r.get("flops_per_token", 0.0) / 1e6, y, **style)
     left.set_xlabel("throughput (output tokens / s)")
     left.set_ylabel("accuracy (%)" if has_acc else "speed-up vs reference loop (x)")
     left.set_title("accuracy vs throughput" if has_acc else "speed-up vs throughput")
     left.grid(alpha=0.3)
     left.legend(fontsize=7, loc="best")
+    mid.set_xlabel("model MFLOPs per generated token (window rows + refreshes)")
+    mid.set_ylabel(left.get_ylabel())
+    mid.set_title("accuracy vs model FLOPs per token (legend: left)")
+    mid.grid(alpha=0.3)
     right.bar(range(len(rows)), [r["nfe_per_token"] for r in rows], color="tab:orange")
     right.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     right.set_ylabel("model forwards per generated token (NFE / token)")

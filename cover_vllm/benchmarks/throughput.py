@@ -1,4 +1,5 @@
-"""`cover-vllm bench throughput`: every (decoding, kv_cache, batch size) combination in one run.
+"""`cover-vllm bench throughput`: every (decoding, kv_cache, cache_refresh, batch size) combination
+in one run (refresh policies apply to the prefix/dual rows; `none` runs once).
 
 Prompts are random token ids (every request decodes exactly --output-len slots, ignore_eos) or a
 task's held-out split (--task: accuracy from the task's verifier; tokens counted up to EOS).
@@ -18,6 +19,7 @@ from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info,
                                             matmul_params_per_token, pin_threads,
                                             step_flops)
 from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.reference_decode import reference_generate
 from cover_vllm.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ class ThroughputSpec:
     model: str
     decodings: tuple[str, ...] = ("low_confidence",)
     kv_caches: tuple[str, ...] = ("dual",)
+    cache_refreshes: tuple[str, ...] = ("block",)   # refresh policies for prefix/dual rows
     batch_sizes: tuple[int, ...] = (1,)
     num_prompts: int | None = None     # default: 2 x the batch size
     input_len: int = 64
@@ -45,6 +48,7 @@ class ThroughputSpec:
 class ThroughputRow:
     decoding: str
     kv_cache: str
+    cache_refresh: str                 # "-" for kv_cache="none" (every step is a refresh)
     batch_size: int
     num_prompts: int
     tokens_per_s: float
@@ -65,6 +69,8 @@ class ThroughputRow:
     gflops_per_token: float            # model FLOPs spent per useful token
     flop_ratio_vs_reference: float | None   # reference GFLOP/token over this row's: the
                                             # speed-up at equal MFU
+    refreshes: float = 0.0             # full-canvas forwards per request
+    flops_per_token: float = 0.0       # model FLOPs / generated slots (cover_vllm/flops.py)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -94,11 +100,13 @@ class Workload:
             self.output_len, self.block_length = spec.output_len, spec.block_length
         self.eos = set(llm.engine.spec.eos_token_ids)
 
-    def params(self, spec: ThroughputSpec, decoding: str, kv: str) -> SamplingParams:
+    def params(self, spec: ThroughputSpec, decoding: str, cache: tuple[str, str]
+               ) -> SamplingParams:
+        kv, refresh = cache
         return SamplingParams(max_tokens=self.output_len, block_length=self.block_length,
                               steps=spec.steps, ignore_eos=self.task is None, decoding=decoding,
                               decoding_params=dict(spec.decoding_params).get(decoding),
-                              kv_cache=kv)
+                              kv_cache=kv, cache_refresh=None if kv == "none" else refresh)
 
     def accuracy(self, outs) -> float | None:
         if self.task is None:
@@ -169,17 +177,20 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                     f"MFU {report['reference']['mfu']:.0%}")
         ref = (report["reference"] or {}).get("tokens_per_s")
         ref_gflops = (report["reference"] or {}).get("gflops_per_token")
+        caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
+                  for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
         for decoding in spec.decodings:
-            for kv in spec.kv_caches:
-                outs, seconds, overhead, flops = _measure(llm, work,
-                                                          work.params(spec, decoding, kv))
+            for kv, refresh in caches:
+                outs, seconds, overhead, flops = _measure(
+                    llm, work, work.params(spec, decoding, (kv, refresh)))
                 ms = [o.metrics for o in outs]
                 tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
                 mfu = flops / seconds / (machine["matmul_gflops"] * 1e9)
                 gflops = flops / max(tokens, 1) / 1e9
                 lat = [m.latency_s for m in ms]
                 row = ThroughputRow(
-                    decoding=decoding, kv_cache=kv, batch_size=bs, num_prompts=len(outs),
+                    decoding=decoding, kv_cache=kv, cache_refresh=refresh, batch_size=bs,
+                    num_prompts=len(outs),
                     tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
                     nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
                     tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
@@ -190,9 +201,12 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                     peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
                     mfu=mfu, speedup_vs_reference=(tokens / seconds / ref) if ref else None,
                     seconds=seconds, gflops_per_token=gflops,
-                    flop_ratio_vs_reference=(ref_gflops / gflops) if ref_gflops else None)
+                    flop_ratio_vs_reference=(ref_gflops / gflops) if ref_gflops else None,
+                    refreshes=statistics.mean(m.refreshes for m in ms),
+                    flops_per_token=flops_per_token(ms))
                 report["results"].append(asdict(row))
-                log(f"  {decoding:>15} {kv:>6} bs={bs:<3} {row.tokens_per_s:8.1f} tok/s  "
+                log(f"  {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
+                    f"{row.tokens_per_s:8.1f} tok/s  refreshes {row.refreshes:.2f}  "
                     f"NFE/token {row.nfe_per_token:.3f}  overhead {overhead:.0%}  "
                     f"({seconds:.1f}s)")
     return report

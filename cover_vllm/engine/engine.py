@@ -13,9 +13,12 @@ from cover_vllm.engine.decide import run_strategies
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.executor import make_executor
+from cover_vllm.flops import FlopModel, item_shape
+from cover_vllm.models.loader import build_model
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
+from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import Request
@@ -53,6 +56,9 @@ class Engine:
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
+        whole = build_model(self.spec, device="meta")             # all heads, no memory
+        self.flop_model = FlopModel.of(whole, whole.dims)
+        self.refresh_policy = config.refresh_policy
         self._strategies: dict[tuple[str, Any], Strategy] = {}
         self._requests: dict[str, Request] = {}
         self._counter = itertools.count()
@@ -93,8 +99,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
+        refresh = (self.refresh_policy if params.cache_refresh is None
+                   else parse_cache_refresh(params.cache_refresh))
         req = Request(request_id, text, ids, params, strategy, generator,
-                      params.kv_cache or self.config.kv_cache)
+                      params.kv_cache or self.config.kv_cache, refresh)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
 
@@ -138,6 +146,7 @@ class Engine:
         clock.lap("schedule")
         result = self.executor.execute_model(out)
         clock.lap("forward")
+        self._account(out, result)
         decisions = run_strategies(out, self._requests, result)
         clock.lap("strategy")
         finished = self._update(out, decisions)
@@ -146,15 +155,27 @@ class Engine:
             timing = clock.laps
             timing["prepare"] = result.prepare_s
             timing["forward"] -= result.prepare_s
-            timing["num_tokens"] = out.num_tokens
+            shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
+            timing["num_tokens"] = sum(t for t, _, _ in shapes)
             timing["num_seqs"] = len(out.items)
             timing["num_refresh"] = sum(i.is_refresh for i in out.items)
-            timing["attn_pairs"] = sum(i.window_len * len(i.canvases) * i.canvases[0].key_slots.numel()
-                                       for i in out.items)
-            timing["logit_rows"] = sum((i.view_end - i.view_start) * len(i.canvases)
-                                       for i in out.items)
+            timing["attn_pairs"] = sum(p for _, p, _ in shapes)
+            timing["logit_rows"] = sum(r for _, _, r in shapes)
             self.step_times.append(timing)
         return finished
+
+    def _account(self, out, result) -> None:
+        """Charge every request the model rows and FLOPs of its own work item; hand the
+        measured attention mass on cached positions to its refresh policy."""
+        masses = result.cached_mass or [None] * len(out.items)
+        columns = result.column_mass or [None] * len(out.items)
+        for item, mass, column in zip(out.items, masses, columns):
+            tokens, pairs, rows = item_shape(item)
+            req = self._requests[item.request_id]
+            req.metrics.forward_tokens += tokens
+            req.metrics.flops += self.flop_model.forward(tokens, pairs, rows)
+            if mass is not None:
+                req.refresh.cached_mass, req.refresh.column_mass = mass, column
 
     def _update(self, out, decisions) -> list[RequestOutput]:
         """Apply decisions; a request whose block became FINAL yields an output (finished or a

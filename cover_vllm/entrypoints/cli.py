@@ -45,11 +45,23 @@ def _json_obj(value: str) -> dict:
     return obj
 
 
+def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--kv-cache and --cache-refresh lists, validated (ValueError naming the bad value)."""
+    from cover_vllm.cache_refresh import parse_cache_refresh
+    from cover_vllm.config import KV_CACHE_MODES
+
+    bad = [m for m in args.kv_cache if m not in KV_CACHE_MODES]
+    if bad:
+        raise ValueError(f"kv_cache={bad[0]!r}; choose one of {list(KV_CACHE_MODES)}")
+    return args.kv_cache, tuple(parse_cache_refresh(p).label for p in args.cache_refresh)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from cover_vllm import LLM, SamplingParams
 
     llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache, dtype=args.dtype,
-              load_format=args.load_format, num_threads=args.threads)
+              cache_refresh=args.cache_refresh, load_format=args.load_format,
+              num_threads=args.threads)
     max_tokens = args.max_tokens or llm.get_default_sampling_params().max_tokens
     sp = SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                         steps=args.steps, temperature=args.temperature,
@@ -80,15 +92,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print("\n".join(list_tasks()))
         return
     tasks = list_tasks() if args.task == ("all",) else args.task
+    kv_caches, refreshes = _cache_choices(args)
     params = _decoding_params(args.decoding_params, args.decoding)
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
-                    seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=args.kv_cache,
-                    decoding_params=tuple(params.items()), use_tqdm=not args.no_tqdm,
-                    threads=args.threads)
+                    seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
+                    cache_refresh=refreshes, decoding_params=tuple(params.items()),
+                    use_tqdm=not args.no_tqdm, threads=args.threads)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
-        print(f"[eval] {row.task} {row.decoding}{k}: accuracy {row.accuracy:.1%}, "
-              f"NFE {row.nfe:.1f}, {row.seconds:.0f}s", file=sys.stderr, flush=True)
+        print(f"[eval] {row.task} {row.decoding}{k} {row.kv_cache} {row.cache_refresh}: "
+              f"accuracy {row.accuracy:.1%}, NFE {row.nfe:.2f}, refreshes {row.refreshes:.2f}, "
+              f"FLOPs/token {row.flops_per_token:.4g}, {row.seconds:.0f}s", file=sys.stderr,
+              flush=True)
 
     rows = run_eval(spec, on_row=progress)
     print(format_table(rows))
@@ -111,7 +126,9 @@ def _bench_spec(args: argparse.Namespace):
     from cover_vllm.benchmarks.throughput import ThroughputSpec
 
     params = _decoding_params(args.decoding_params, args.decoding)
-    return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=args.kv_cache,
+    kv_caches, refreshes = _cache_choices(args)
+    return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=kv_caches,
+                          cache_refreshes=refreshes,
                           batch_sizes=getattr(args, "batch_size", (1,)),
                           num_prompts=getattr(args, "num_prompts", None),
                           input_len=args.input_len, output_len=args.output_len,
@@ -174,6 +191,9 @@ def _bench_common(p: argparse.ArgumentParser) -> None:
                    help='JSON: {"knob": v} or {"<strategy>": {...}, ...}')
     p.add_argument("--kv-cache", type=_csv, default=("dual",),
                    help=f"cache modes, comma-separated ({', '.join(KV_CACHES)})")
+    p.add_argument("--cache-refresh", type=_csv, default=("block",),
+                   help="refresh policies for prefix/dual rows, comma-separated: block, "
+                   "interval:N, adaptive")
     p.add_argument("--task", default=None, help="prompts from a task's held-out split")
     p.add_argument("--input-len", type=_positive_int, default=64, help="prompt tokens")
     p.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens")
@@ -218,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoding-params", type=_json_obj, default=None,
                    help='the strategy\'s knobs as JSON, e.g. {"threshold": 0.8}')
     g.add_argument("--kv-cache", default="dual", choices=KV_CACHES)
+    g.add_argument("--cache-refresh", default="block", help="block, interval:N or adaptive")
     g.add_argument("--max-tokens", type=_positive_int, default=None,
                    help="generation slots (default: the checkpoint's generation_config.json "
                         "max_new_tokens, else 64)")
@@ -244,9 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num", type=_positive_int, default=200, help="problems per task")
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", default="none", choices=KV_CACHES,
-                   help="none is exact; the tasks decode their answer as one block, "
-                   "so prefix/dual freeze the prompt K/V of a fully masked answer")
+    e.add_argument("--kv-cache", type=_csv, default=("none",),
+                   help="none (default) is exact; prefix/dual (comma-separated: one row each) "
+                   "reuse K/V between refreshes (--cache-refresh)")
+    e.add_argument("--cache-refresh", type=_csv, default=("block",),
+                   help="refresh policies for prefix/dual rows, comma-separated: block, "
+                   "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
     add_threads_arg(e)

@@ -21,6 +21,8 @@ class LLM:
     model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
     decoding: default strategy (per-request override in SamplingParams.decoding).
     kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
+    cache_refresh (keyword): "block" (default) | "interval:N" | "adaptive" — when prefix/dual
+    recompute their cached K/V (cover_vllm/cache_refresh.py); per request in SamplingParams.
     """
 
     def __init__(self, model: str, decoding: str = "cover", kv_cache: str = "dual",

@@ -14,7 +14,8 @@ def serve_args(args: argparse.Namespace):
     from cover_vllm.entrypoints.server import ServeArgs
 
     return ServeArgs(model=args.model, host=args.host, port=args.port, decoding=args.decoding,
-                     kv_cache=args.kv_cache, max_num_seqs=args.max_num_seqs,
+                     kv_cache=args.kv_cache, cache_refresh=args.cache_refresh,
+                     max_num_seqs=args.max_num_seqs,
                      api_key=args.api_key, served_model_name=args.served_model_name,
                      load_format=args.load_format, threads=args.threads, seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size,
@@ -53,6 +54,9 @@ def add_serve_parsers(sub, bench) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--decoding", default="cover", help="default strategy (per request: decoding)")
     s.add_argument("--kv-cache", default="dual", choices=KV_CACHES)
+    s.add_argument("--cache-refresh", default="block",
+                   help="default refresh policy: block, interval:N or adaptive (per request: "
+                   "the cache_refresh body field)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64,
                    help="requests decoded together")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")

@@ -11,7 +11,7 @@ import torch
 class CanvasInput:
     """One canvas copy to run: its window tokens and where its canvas lives in the cache."""
 
-    input_ids: torch.Tensor      # [window_len] tokens at positions window_start.. (seeds masked)
+    input_ids: torch.Tensor      # [window_len] tokens at the window's positions (seeds masked)
     key_slots: torch.Tensor      # [L] cache slot of every canvas position
 
 
@@ -66,6 +66,16 @@ class WorkItem:
     want_stats: bool = False                  # return KV drift / attention in-mass for the view
     extra: ExtraRows | None = None            # extra query rows (cond canvas only), e.g. WINO
     embed_edit: EmbedEdit | None = None       # input-embedding edits (cond canvas only), e.g. ASRD
+    window_positions: torch.Tensor | None = None   # [window_len] sorted canvas positions of a
+                                                   # sparse window (None: contiguous from
+                                                   # window_start); view rows outside it get
+                                                   # zero logits (cache_refresh.py)
+
+    def positions(self) -> torch.Tensor:
+        """[window_len] canvas position of every window row."""
+        if self.window_positions is not None:
+            return self.window_positions
+        return torch.arange(self.window_start, self.window_start + self.window_len)
 
     @property
     def window_len(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cover_vllm.cache_refresh import CacheRefresh, RefreshState
 from cover_vllm.outputs import RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies.base import BlockState, Strategy
@@ -41,7 +42,7 @@ def split_steps(total: int, num_blocks: int) -> list[int]:
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, strategy: Strategy, generator: torch.Generator,
-                 kv_cache: str):
+                 kv_cache: str, cache_refresh: CacheRefresh | None = None):
         spec = strategy.spec
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,8 +65,9 @@ class Request:
         self.metrics = RequestMetrics()
         self.remasked_from: dict[int, int] = {}   # position -> token before its last remask
         self.arrival = time.perf_counter()
-        self.needs_refresh = True
-        self.steps_since_refresh = 0
+        self.refresh = RefreshState(cache_refresh or CacheRefresh())
+        # [L] the token each position's cached K/V were computed from (-1: never computed)
+        self.kv_tokens = torch.full_like(self.canvas, -1)
         self.seeds: list[int] = []              # positions verified in the current step
         self.output_token_ids: list[int] = []
         self.output_text = ""
@@ -89,6 +91,15 @@ class Request:
         out[: self.prompt_len] = self.mask_id
         return out
 
+    @property
+    def needs_refresh(self) -> bool:
+        """A refresh is owed unconditionally (block start, first step)."""
+        return self.refresh.pending
+
+    @needs_refresh.setter
+    def needs_refresh(self, value: bool) -> None:
+        self.refresh.pending = value
+
     def block_masked(self) -> int:
         start, end = self.block
         return int((self.canvas[start:end] == self.mask_id).sum())
@@ -101,19 +112,23 @@ class Request:
         self.needs_refresh = True
 
     def apply(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
-              remask: torch.Tensor | None, replace: torch.Tensor | None) -> None:
-        """Apply one decision row (view-relative [W] tensors) to the canvas and the counters."""
+              remask: torch.Tensor | None, replace: torch.Tensor | None) -> tuple[int, int]:
+        """Apply one decision row (view-relative [W] tensors) to the canvas and the counters.
+        Returns (positions whose token changed, of which revised by a check: replace/remask)."""
         m = self.metrics
+        revised = 0
         if remask is not None and bool(remask.any()):
             for i in remask.nonzero().flatten().tolist():
                 pos = view_start + i
                 self.remasked_from[pos] = int(self.canvas[pos])
                 self.canvas[pos] = self.mask_id
             m.remasks += int(remask.sum())
+            revised += int(remask.sum())
         if replace is not None and bool(replace.any()):
             idx = replace.nonzero().flatten()
             self.canvas[view_start + idx] = tokens[idx]
             m.replaces += int(idx.numel())
+            revised += int(idx.numel())
         idx = commit.nonzero().flatten()
         if self.remasked_from:
             for i in idx.tolist():
@@ -123,6 +138,7 @@ class Request:
         self.canvas[view_start + idx] = tokens[idx]
         self.state.step += 1
         m.steps += 1
+        return revised + int(idx.numel()), revised
 
     def generated(self) -> torch.Tensor:
         """[G] the generation slots as they stand."""

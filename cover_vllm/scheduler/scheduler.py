@@ -1,8 +1,9 @@
 """Scheduler: admission by KV pages, one work item per running request per step, and updates.
 
 There is no global draft or verify phase: every running request has a next item. A refresh item
-(a full-canvas forward) starts each block when a cache mode is on, and every step with
-kv_cache="none"; other steps forward only the window the cache mode needs (Fast-dLLM):
+(a full-canvas forward) starts each block when a cache mode is on, every step with
+kv_cache="none", and whenever the request's `cache_refresh` policy asks (cache_refresh.py); other
+steps forward only the window the cache mode needs (Fast-dLLM):
 `prefix` = current block + suffix, `dual` = current block. Admission reserves pages for the whole
 canvas, so a running request never needs more and is never preempted.
 """
@@ -89,26 +90,75 @@ class Scheduler:
             return first_row, req.canvas_len
         return first_row, end
 
-    def _work_item(self, req: Request) -> WorkItem:
-        interval = self.config.cache_refresh_interval
-        refresh = (req.kv_cache == "none" or req.needs_refresh
-                   or (interval is not None and req.steps_since_refresh + 1 >= interval))
+    def _sparse_window(self, req: Request, seeds: list[int], outside: bool) -> torch.Tensor:
+        """[W] sorted positions whose cached K/V no longer match the canvas or whose logits are
+        needed: the block's [MASK] positions, block positions whose token changed since their
+        K/V were last computed, the seeds, and every predictor row of those; with `outside`,
+        also every position outside the block (a partial refresh)."""
         start, end = req.block
+        block = req.canvas[start:end]
+        need = (block == req.mask_id) | (block != req.kv_tokens[start:end])
+        pos = start + need.nonzero().flatten()
+        if outside:
+            pos = torch.cat((self._outside_positions(req), pos))
+        if seeds:
+            pos = torch.cat((pos, torch.tensor(seeds, dtype=torch.long)))
+        rows = (pos - self.logit_shift).clamp(min=0)
+        pos = torch.unique(torch.cat((pos, rows)))            # sorted
+        return pos if pos.numel() else torch.tensor([start])
+
+    @staticmethod
+    def _outside_positions(req: Request) -> torch.Tensor:
+        """The cached positions a partial refresh recomputes: all outside the block, or those
+        that took `refresh_mass_share` of the attention on them (most-attended first)."""
+        start, end = req.block
+        out = torch.cat((torch.arange(start), torch.arange(end, req.canvas_len)))
+        share, mass = req.refresh.policy.refresh_mass_share, req.refresh.column_mass
+        if share is None or mass is None or float(mass[out].sum()) <= 0:
+            return out
+        m = mass[out]
+        order = torch.argsort(m, descending=True)
+        cum = torch.cumsum(m[order], 0) / m.sum()
+        keep = int((cum < share).sum()) + 1
+        return out[order[:keep]]
+
+    def _work_item(self, req: Request) -> WorkItem:
+        start, end = req.block
+        refresh = req.kv_cache == "none" or req.refresh.should_refresh(
+            end - start, req.canvas_len - (end - start))
         view_start = req.strategy.view_start(start, req.prompt_len)
-        w_start, w_end = self._window(req, refresh, view_start)
-        copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
-        canvases = [CanvasInput(c[w_start:w_end].clone(), ps.key_slots)
-                    for c, ps in zip(copies, req.pages)]
         seeds = req.strategy.select_seeds(req.state, req.canvas[start:end], start)
         req.seeds = seeds
+        positions = None
+        policy = req.refresh.policy
+        sparse = (req.kv_cache == "dual" and policy.sparse and req.strategy.masked_rows_only
+                  and req.num_canvases == 1)
+        if sparse and refresh and not req.refresh.pending and not policy.refresh_block:
+            positions = self._sparse_window(req, seeds, outside=True)
+        elif sparse and not refresh:
+            positions = self._sparse_window(req, seeds, outside=False)
+        if positions is not None:
+            if not refresh:
+                req.refresh.save(end - start - int(positions.numel()))
+            w_start = int(positions[0])
+            canvases = [CanvasInput(req.canvas[positions], req.pages[0].key_slots)]
+            rel = torch.searchsorted(positions, torch.tensor(seeds, dtype=torch.long))
+        else:
+            w_start, w_end = self._window(req, refresh, view_start)
+            copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
+            canvases = [CanvasInput(c[w_start:w_end].clone(), ps.key_slots)
+                        for c, ps in zip(copies, req.pages)]
+            rel = [s - w_start for s in seeds]
         if seeds:                           # verified in the same forward: masked in the input
-            canvases[0].input_ids[[s - w_start for s in seeds]] = req.mask_id
+            canvases[0].input_ids[rel] = req.mask_id
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
         return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
                         cfg_scale=req.strategy.cfg_scale, is_refresh=refresh,
-                        want_stats=req.strategy.wants_stats,
+                        want_stats=req.strategy.wants_stats or (
+                            req.kv_cache != "none" and req.refresh.policy.wants_mass),
                         extra=req.strategy.extra_rows(req.state, req.canvas, req.block),
-                        embed_edit=req.strategy.embed_edits(req.state, req.canvas, req.block))
+                        embed_edit=req.strategy.embed_edits(req.state, req.canvas, req.block),
+                        window_positions=positions)
 
     def get(self, request_id: str) -> Request:
         for req in self.running:
@@ -117,22 +167,31 @@ class Scheduler:
         raise KeyError(request_id)
 
     # ---- after the forward -----------------------------------------------------------------
+    @staticmethod
+    def _note_written(req: Request, item: WorkItem) -> None:
+        """Record which token each written position's cached K/V now hold (override positions
+        keep their old K/V)."""
+        pos, ids = item.positions(), item.canvases[0].input_ids
+        if item.override:
+            keep = ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
+            pos, ids = pos[keep], ids[keep]
+        req.kv_tokens[pos] = ids
+
     def update_from_output(self, out: SchedulerOutput, decisions: dict) -> list[Request]:
         """Apply each request's decision; return the requests whose current block is complete."""
         by_id = {r.request_id: r for r in self.running}
         done = []
         for item in out.items:
             req, d = by_id[item.request_id], decisions[item.request_id]
-            req.apply(item.view_start, d.commit, d.tokens, d.remask, d.replace)
+            self._note_written(req, item)
+            changed, revised = req.apply(item.view_start, d.commit, d.tokens, d.remask,
+                                         d.replace)
+            req.refresh.record(item.is_refresh, changed, revised)
             m = req.metrics
             m.nfe += 1
             m.keeps += d.keeps
             m.seeds_verified += d.verified
-            if item.is_refresh:
-                m.refreshes += 1
-                req.needs_refresh, req.steps_since_refresh = False, 0
-            else:
-                req.steps_since_refresh += 1
+            m.refreshes += int(item.is_refresh)
             if req.strategy.block_done(req.state, req.block_masked()):
                 done.append(req)
         return done

@@ -89,6 +89,9 @@ class Strategy(ABC):
     wants_stats: ClassVar[bool] = False      # True: StepBatch.drift / attn_in are filled
     revises_done_blocks: ClassVar[bool] = False   # True: a finished block may still change, so
                                                   # tokens are FINAL only when the request ends
+    masked_rows_only: ClassVar[bool] = False      # True: `decide` reads logits only at the
+                                                  # block's [MASK] positions and the seeds, so a
+                                                  # sparse window may leave other rows out
 
     def __init__(self, params: StrategyParams, spec: ModelSpec):
         self.params, self.spec = params, spec

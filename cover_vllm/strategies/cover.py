@@ -145,6 +145,7 @@ class _Seeds:
 
 class Cover(Strategy):
     name = "cover"
+    masked_rows_only = True
     params_cls = CoverParams
 
     @property

@@ -42,6 +42,7 @@ class ThresholdParams(StrategyParams):
 
 class Threshold(Strategy):
     name = "threshold"
+    masked_rows_only = True
     params_cls = ThresholdParams
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
@@ -83,6 +84,7 @@ class FactorParams(StrategyParams):
 
 class Factor(Strategy):
     name = "factor"
+    masked_rows_only = True
     params_cls = FactorParams
 
     def decide(self, batch: StepBatch) -> Decision:

@@ -52,6 +52,7 @@ def propose(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 class LowConfidence(Strategy):
     name = "low_confidence"
+    masked_rows_only = True
     params_cls = LLaDAParams
     fixed_schedule = True
 

@@ -26,6 +26,9 @@ class ModelRunnerOutput:
     attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
     prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
     extra_logits: list[torch.Tensor | None] | None = None   # per item [E, V] (items with extras)
+    cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
+                                    # rows' attention on keys outside the view (None: no such row)
+    column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key
 
 
 @dataclass
@@ -36,6 +39,8 @@ class _Layout:
     ids: list[torch.Tensor] = field(default_factory=list)         # pieces of the [T] input ids
     positions: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] positions
     rows: list[torch.Tensor] = field(default_factory=list)        # per canvas: flat view rows
+    row_valid: list[torch.Tensor | None] = field(default_factory=list)   # per canvas [view_len]
+                                       # bool: view rows in a sparse window (None: all of them)
     extra_rows: list[torch.Tensor | None] = field(default_factory=list)   # per item [E] or None
     stat_rows: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] bool
     edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
@@ -61,16 +66,18 @@ class ModelRunner:
         for item in out.items:
             n, w0 = item.window_len, item.window_start
             view = torch.arange(item.view_start, item.view_end)
-            pred = (view - self.shift).clamp(min=0) - w0       # predictor rows, window-relative
+            pred, valid = self._predictor_rows(item, view)     # window-relative
             for c, canvas in enumerate(item.canvases):
                 cond = c == 0
                 extra = item.extra.allowed if cond and item.extra is not None else None
                 lay.seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if cond else [],
-                                          extra_allowed=extra))
+                                          extra_allowed=extra, positions=item.window_positions))
                 lay.ids.append(canvas.input_ids)
-                lay.positions.append(torch.arange(w0, w0 + n))
+                lay.positions.append(item.positions())
                 lay.rows.append(pred + offset)
+                lay.row_valid.append(valid)
                 if cond and item.embed_edit is not None:
+                    assert item.window_positions is None, "embed edits need a contiguous window"
                     rel = item.embed_edit.positions - w0
                     assert bool(((rel >= 0) & (rel < n)).all()), "embed edits outside the window"
                     lay.edits.append((rel + offset, item.embed_edit))
@@ -89,14 +96,25 @@ class ModelRunner:
             offset += e
         return lay
 
+    def _predictor_rows(self, item: WorkItem, view: torch.Tensor):
+        """Window rows whose logits predict the view positions [view_len], and which of them
+        are in the window (None: all, the contiguous case)."""
+        pred = (view - self.shift).clamp(min=0)
+        if item.window_positions is None:
+            return pred - item.window_start, None
+        wp = item.window_positions
+        idx = torch.searchsorted(wp, pred).clamp(max=wp.numel() - 1)
+        valid = wp[idx] == pred
+        return idx[valid], valid
+
     def _stat_rows(self, item: WorkItem, canvas: CanvasInput) -> torch.Tensor:
         """[window_len] bool: the still-masked view rows (not seeds), whose attention defines
         downstream influence."""
-        rows = canvas.input_ids == self.model.spec.mask_token_id
-        rows[:item.view_start - item.window_start] = False
-        rows[item.view_end - item.window_start:] = False
+        pos = item.positions()
+        rows = (canvas.input_ids == self.model.spec.mask_token_id) & (pos >= item.view_start) \
+            & (pos < item.view_end)
         if item.override:
-            rows[[s - item.window_start for s, _ in item.override]] = False
+            rows &= ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
         return rows
 
     @torch.inference_mode()
@@ -128,6 +146,11 @@ class ModelRunner:
         extra_rows = [r for r in lay.extra_rows if r is not None]
         logits = self.model.compute_logits(hidden[torch.cat(lay.rows + extra_rows)]).float()
         per_canvas = list(logits.split([r.numel() for r in lay.rows + extra_rows]))
+        for c, valid in enumerate(lay.row_valid):           # sparse windows: zero logits for
+            if valid is not None:                           # view rows not in the window
+                full = per_canvas[c].new_zeros(valid.numel(), per_canvas[c].shape[-1])
+                full[valid] = per_canvas[c]
+                per_canvas[c] = full
         results = []
         for item in out.items:
             cond = per_canvas.pop(0)
@@ -140,23 +163,43 @@ class ModelRunner:
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
             return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
-        return ModelRunnerOutput(results, *self._split_stats(out, stats), prepare_s=prepare_s,
-                                 extra_logits=extra_logits)
+        drift, attn_in, mass, columns = self._split_stats(out, stats)
+        return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
+                                 extra_logits=extra_logits, cached_mass=mass,
+                                 column_mass=columns)
+
+    @staticmethod
+    def _view_values(item: WorkItem, values: torch.Tensor) -> torch.Tensor:
+        """Per-window-row values [window_len] -> per view position [view_len] (0 where a
+        sparse window has no row)."""
+        if item.window_positions is None:
+            return values[item.view_start - item.window_start:item.view_end - item.window_start]
+        out = values.new_zeros(item.view_end - item.view_start)
+        pos = item.window_positions
+        inside = (pos >= item.view_start) & (pos < item.view_end)
+        out[pos[inside] - item.view_start] = values[inside]
+        return out
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
-        drift, attn_in = [], []
+        drift, attn_in, mass, columns = [], [], [], []
         offset, seq = 0, 0
         for item in out.items:
-            view = slice(item.view_start - item.window_start, item.view_end - item.window_start)
+            mass.append(None)
+            columns.append(None)
             if item.want_stats:
-                drift.append(stats.drift[offset:offset + item.window_len][view])
+                drift.append(ModelRunner._view_values(item, stats.drift[offset:offset +
+                                                                        item.window_len]))
                 attn_in.append(torch.zeros(item.view_end - item.view_start)
                                if stats.attn_in is None
                                else stats.attn_in[seq, item.view_start:item.view_end])
+                total = 0.0 if stats.attn_in is None else float(stats.attn_in[seq].sum())
+                if total > 0:                    # the rows' mass sums to their count
+                    mass[-1] = 1.0 - float(attn_in[-1].sum()) / total
+                    columns[-1] = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
             else:
                 drift.append(None)
                 attn_in.append(None)
             offset += item.window_len * len(item.canvases)
             seq += len(item.canvases)
-        return drift, attn_in
+        return drift, attn_in, mass, columns

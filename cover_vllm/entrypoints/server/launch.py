@@ -26,6 +26,7 @@ class ServeArgs:
     port: int = 8000
     decoding: str = "cover"
     kv_cache: str = "dual"
+    cache_refresh: str = "block"
     max_num_seqs: int = 64
     api_key: str | None = None
     served_model_name: str | None = None
@@ -46,7 +47,7 @@ class ServeArgs:
 
 def make_config(args: ServeArgs) -> EngineConfig:
     return EngineConfig(model=args.model, decoding=args.decoding, kv_cache=args.kv_cache,
-                        max_num_seqs=args.max_num_seqs, load_format=args.load_format,
+                        cache_refresh=args.cache_refresh, max_num_seqs=args.max_num_seqs, load_format=args.load_format,
                         num_threads=args.threads, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend)

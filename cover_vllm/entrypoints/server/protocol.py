@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import STRATEGIES
 
@@ -58,6 +59,7 @@ class SamplingFields(_Strict):
     block_length: int | None = Field(None, ge=1)
     steps: int | None = Field(None, ge=1)
     kv_cache: Literal["none", "prefix", "dual"] | None = None
+    cache_refresh: str | None = None      # "block" | "interval:N" | "adaptive"
     decoding_params: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -85,6 +87,13 @@ class SamplingFields(_Strict):
     def _bias(cls, value):
         return _neutral(value or None, (None,), "logit_bias")
 
+    @field_validator("cache_refresh")
+    @classmethod
+    def _cache_refresh(cls, value):
+        if value is not None:
+            parse_cache_refresh(value)        # ValueError naming the allowed forms -> 400
+        return value
+
     @field_validator("decoding")
     @classmethod
     def _decoding(cls, value):
@@ -103,7 +112,8 @@ class SamplingFields(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache)
+            decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache,
+            cache_refresh=self.cache_refresh)
 
 
 def _is_int(value: Any) -> bool:
