@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cover_vllm.entrypoints.cli import _ints, _json_obj
+from cover_vllm.entrypoints.cli import _ints, _json_obj, add_memory_args
 
 
 def serve_args(args: argparse.Namespace):
@@ -18,7 +18,9 @@ def serve_args(args: argparse.Namespace):
                      load_format=args.load_format, threads=args.threads, seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend,
-                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address)
+                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address,
+                     dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                     memory_utilization=args.memory_utilization)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -63,6 +65,7 @@ def add_serve_parsers(sub, bench) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--served-model-name", default=None, help="id in /v1/models (default: MODEL)")
     s.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    add_memory_args(s)
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
