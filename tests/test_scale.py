@@ -209,3 +209,27 @@ def test_peak_memory_of_a_written_checkpoint_is_the_weights(tmp_path):
     rank_bytes = sum(p.numel() * 4 // (2 if n in sliced else 1) for n, p in meta.named_parameters())
     for peak in results[2]["peaks"]:
         assert peak <= 1.3 * rank_bytes + SLACK_BYTES, (peak, rank_bytes)
+
+
+def test_make_checkpoint_and_bench_scale_commands(tmp_path):
+    """The two commands end to end on a small shape: the written checkpoint loads through the
+    real path and `bench scale` reports load time, memory, steps and tokens as JSON."""
+    from cover_vllm.entrypoints.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["make-checkpoint", "--shape", "llada-50m", "--dtype", "float32", "--out",
+                 str(ckpt), "--max-shard-bytes", "80000000"]) == 0
+    assert len(list(ckpt.glob("model-*-of-*.safetensors"))) == 3
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--model", str(ckpt), "--threads", "1", "--output-len", "8",
+                 "--batch-size", "1,2", "--kv-cache-memory-bytes", str(8 << 20), "--json",
+                 str(out), "--dump-logits", str(tmp_path / "logits.pt")]) == 0
+    report = json.loads(out.read_text())
+    assert report["load_format"] == "auto" and report["weight_bytes"] == 203466752
+    assert [r["batch_size"] for r in report["generate"]] == [1, 2]
+    assert all(r["tokens"] == 8 * r["batch_size"] and r["step_s"] > 0
+               for r in report["generate"])
+    assert report["peak_rss"][0] >= report["weight_bytes"]
+    from cover_vllm.benchmarks.scale import compare_logits
+
+    assert compare_logits(str(tmp_path / "logits.pt"), str(tmp_path / "logits.pt")) == 0.0

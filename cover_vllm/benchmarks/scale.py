@@ -74,7 +74,8 @@ def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
     return {"batch_size": batch, "steps": len(steps), "step_s": statistics.mean(totals),
             "window_step_s": statistics.mean(window), "forward_s": statistics.mean(
                 t["forward"] for t in steps), "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds, "nfe": statistics.mean(o.metrics.nfe for o in outs)}
+            "tokens_per_s": tokens / seconds, "nfe": statistics.mean(o.metrics.nfe for o in outs),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def run_scale(spec: ScaleSpec, log=print) -> dict:

@@ -65,7 +65,7 @@ def write_checkpoint(spec: CheckpointSpec, out: str | Path) -> dict[str, Any]:
     groups = _shards(tensors, spec.max_shard_bytes)
     total = sum(spec.dtype.itemsize * torch.Size(s).numel() for _, _, s in tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {out.name}",
-               disable=not spec.progress)
+               disable=not spec.progress, mininterval=2.0)
 
     def chunks(group) -> Iterator[torch.Tensor]:
         for name, dtype, _ in group:

@@ -91,8 +91,8 @@ def _chunk_seed(seed: int, name: str, chunk: int) -> int:
 
 
 class DummyWeights:
-    """Random weights for any shape: N(0, std) matrices, ones for norm weights, zeros for other
-    1-D tensors (biases, the MoE expert bias)."""
+    """Random weights for any shape: N(0, std) matrices, ones for 1-D `*.weight` tensors (norm
+    scales), zeros for other 1-D tensors (biases, the MoE expert bias)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02):
         self._shapes, self.seed, self.std = shapes, seed, std
@@ -108,8 +108,8 @@ class DummyWeights:
         """(first row, rows) pieces of the full tensor along dim 0, in `dtype`; with `rows`
         = (lo, hi) only the pieces that overlap those rows are generated."""
         shape = self._shapes[name]
-        if len(shape) <= 1:
-            value = 1.0 if "norm" in name else 0.0
+        if len(shape) <= 1:                  # 1-D weights are norm scales (LLaDA's `ln_f` too)
+            value = 1.0 if name.endswith(".weight") else 0.0
             yield 0, torch.full(shape, value, dtype=dtype)
             return
         per_row = max(1, DUMMY_CHUNK_ELEMS // max(1, _numel(shape[1:])))
