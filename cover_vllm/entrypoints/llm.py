@@ -21,6 +21,8 @@ class LLM:
     model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
     decoding: default strategy (per-request override in SamplingParams.decoding).
     kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
+    kv_cache_memory_bytes: the KV pool; None sizes it from `memory_utilization` (an EngineConfig
+    field passed through **engine_kwargs, default 0.9 of host / device memory) after the weights.
     """
 
     def __init__(self, model: str, decoding: str = "cover", kv_cache: str = "dual",
