@@ -74,13 +74,13 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
                              f"{sorted(ST_DTYPES)})")
         begin, end = entry["data_offsets"]
         dtype, shape = ST_DTYPES[entry["dtype"]], tuple(int(s) for s in entry["shape"])
-        if end - begin != dtype.itemsize * _numel(shape):
+        if end - begin != dtype.itemsize * numel(shape):
             raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
         infos[name] = TensorInfo(dtype, shape, 8 + n + begin, end - begin)
     return infos
 
 
-def _numel(shape: Iterable[int]) -> int:
+def numel(shape: Iterable[int]) -> int:
     total = 1
     for s in shape:
         total *= s
@@ -109,7 +109,7 @@ def read_tensor_into(f: BinaryIO, info: TensorInfo, dst: torch.Tensor,
     # The tensor as [outer, length, inner] around the sliced dim; rows of `outer` are strided.
     dim = sl.dim if sl is not None else 0
     shape = info.shape or (1,)
-    outer, length, inner = _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
+    outer, length, inner = numel(shape[:dim]), shape[dim], numel(shape[dim + 1:])
     start, size = (sl.start, sl.size) if sl is not None else (0, length)
     item = info.dtype.itemsize
     direct = dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous()
@@ -142,7 +142,7 @@ def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.dtype, tu
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for name, dtype, shape in tensors:
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = numel(shape) * dtype.itemsize
         header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes

@@ -18,7 +18,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from cover_vllm.models.safetensors_io import Slice, TensorInfo, read_header, read_tensor_into
+from cover_vllm.models.safetensors_io import (Slice, TensorInfo, numel, read_header,
+                                              read_tensor_into)
 
 DUMMY_CHUNK_ELEMS = 1 << 22     # 4 M values (16 MB in fp32) per generated chunk
 
@@ -112,7 +113,7 @@ class DummyWeights:
             value = 1.0 if name.endswith(".weight") else 0.0
             yield 0, torch.full(shape, value, dtype=dtype)
             return
-        per_row = max(1, DUMMY_CHUNK_ELEMS // max(1, _numel(shape[1:])))
+        per_row = max(1, DUMMY_CHUNK_ELEMS // max(1, numel(shape[1:])))
         for c, start in enumerate(range(0, shape[0], per_row)):
             n = min(per_row, shape[0] - start)
             if rows is not None and (start + n <= rows[0] or start >= rows[1]):
@@ -134,9 +135,3 @@ class DummyWeights:
             if lo < hi:
                 dst[lo - sl.start:hi - sl.start].copy_(piece[lo - start:hi - start])
 
-
-def _numel(shape) -> int:
-    total = 1
-    for s in shape:
-        total *= s
-    return total
