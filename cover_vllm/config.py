@@ -25,6 +25,7 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     max_num_seqs: int = 64
     kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9     # share of host (CPU) / device memory for weights + KV
     load_format: str = "auto"
     page_size: int = 16                 # tokens per KV page
     attention_backend: str = "sdpa"     # "sdpa" | "reference"
@@ -50,6 +51,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0 (or None for the default)")
+        if isinstance(self.memory_utilization, bool) or not isinstance(
+                self.memory_utilization, (int, float)) or not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be a fraction in (0, 1], got "
+                             f"{self.memory_utilization!r}")
         if self.cache_refresh_interval is not None:
             if isinstance(self.cache_refresh_interval, bool) or not isinstance(
                     self.cache_refresh_interval, int) or self.cache_refresh_interval <= 0:
@@ -75,7 +80,8 @@ class EngineConfig:
         return parse_cache_refresh(self.cache_refresh)
 
     def kv_budget_bytes(self, bytes_per_token: int, max_model_len: int) -> int:
-        """The KV pool size: the user's budget, else room for max_num_seqs full canvases (capped)."""
+        """The KV pool size: the user's budget, else room for max_num_seqs full canvases (capped;
+        worker/memory.py lowers it further to what the memory budget leaves after the weights)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         return min(_DEFAULT_KV_BYTES, self.max_num_seqs * max_model_len * bytes_per_token)

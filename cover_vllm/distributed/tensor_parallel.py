@@ -18,7 +18,10 @@ sizes the rank's KV cache shard. The attention backend and the COVER override co
 head, so they run on a head shard unchanged.
 
 `check_tensor_parallel` raises ValueError (naming `tensor_parallel_size`) when the split is not
-even; it runs on a meta-device model before any worker starts.
+even; it runs on a meta-device model before any worker starts. A worker shards its model while
+it is still on the meta device (`shard` works on meta and real tensors alike) and asks the
+loader for exactly `param_slices` of each checkpoint tensor, so a rank never holds a full copy
+of a sharded weight.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from cover_vllm.models.base import ModelDims
 from cover_vllm.models.layers import SelfAttention, SwiGLU
 from cover_vllm.models.llada import LLaDABlock
 from cover_vllm.models.llada_moe import SparseMoE
+from cover_vllm.models.safetensors_io import Slice
 
 if TYPE_CHECKING:
     from cover_vllm.worker.model_runner import ModelRunnerOutput
@@ -84,6 +88,31 @@ def check_tensor_parallel(model: nn.Module, world_size: int) -> None:
         if linear.out_features % world_size:
             raise ValueError(f"tensor_parallel_size={world_size} must divide the MLP width "
                              f"{linear.out_features} of {type(model).__name__}")
+
+
+def param_slices(model: nn.Module, rank: int, world_size: int) -> dict[str, Slice]:
+    """What rank `rank` holds of every sharded parameter of the unsharded `model` (meta is
+    fine), by name: the loader reads exactly that slice of the checkpoint tensor. Parameters
+    not listed are replicated whole."""
+    names = {id(m): n for n, m in model.named_modules()}
+    plan, out = _plan(model), {}
+
+    def part(n: int, dim: int) -> Slice:
+        size = n // world_size
+        return Slice(dim, rank * size, size, n)
+
+    for linear in plan.column:
+        prefix = names[id(linear)]
+        out[f"{prefix}.weight"] = part(linear.out_features, 0)
+        if linear.bias is not None:
+            out[f"{prefix}.bias"] = part(linear.out_features, 0)
+    for linear, _ in plan.row:
+        prefix = names[id(linear)]
+        out[f"{prefix}.weight"] = part(linear.in_features, 1)
+        if linear.bias is not None and rank != 0:
+            n = linear.out_features
+            out[f"{prefix}.bias"] = Slice(0, 0, n, n, zero=True)
+    return out
 
 
 def _narrow(t: torch.Tensor, dim: int, rank: int, world_size: int) -> nn.Parameter:

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any
 
 import torch
 
+from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.decide import run_strategies
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.executor import make_executor
 from cover_vllm.flops import FlopModel, item_shape
-from cover_vllm.models.loader import build_model
+from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.loader import build_model, resolve_dtype
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
-from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.strategies import Strategy, make_params, strategy_class
+from cover_vllm.worker.memory import MemoryPlan, plan_memory
 
-
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _load_tokenizer(path):
@@ -37,6 +37,12 @@ def _load_tokenizer(path):
     return load_tokenizer(path) if has_tokenizer(path) else None
 
 
+def _plan(config: EngineConfig, spec: ModelSpec) -> MemoryPlan:
+    """The memory plan from a meta build of the model (no storage): raises before loading."""
+    meta = build_model(spec, resolve_dtype(config.dtype, spec, config.device), "meta")
+    return plan_memory(config, spec, meta)
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_model(config.model)
@@ -44,15 +50,18 @@ class Engine:
             raise ValueError(f"model={resolved.name!r} is a built-in shape without weights; pass "
                              "load_format='dummy' (--load-format dummy) for random weights, or "
                              "a checkpoint directory")
-        self.config = config
         self.spec = ModelSpec.from_config(resolved.config)
         strategy_class(config.decoding)                        # fail early on a bad default
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
+        self.memory = _plan(config, self.spec)
+        # the resolved KV budget travels to every rank (the same page count everywhere)
+        self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
         self.tokenizer = _load_tokenizer(resolved.path)
         if self.tokenizer is None:
             logger.warning("model %r has no tokenizer: prompts must be token ids and outputs "
                            "carry token ids only (text is empty)", resolved.name)
         self.executor = make_executor(config, resolved, self.spec)
+        logger.info(self.memory.startup_line())
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
@@ -200,6 +209,11 @@ class Engine:
             self._requests.pop(req.request_id)
             outputs.append(self.outputs.make_output(req))
         return outputs
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Peak resident memory (VmHWM) per tensor-parallel rank, the driver (this process)
+        first."""
+        return self.executor.peak_memory_bytes()
 
     @property
     def num_free_pages(self) -> int:

@@ -61,7 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache, dtype=args.dtype,
               cache_refresh=args.cache_refresh, load_format=args.load_format,
-              num_threads=args.threads)
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              memory_utilization=args.memory_utilization, num_threads=args.threads)
     max_tokens = args.max_tokens or llm.get_default_sampling_params().max_tokens
     sp = SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                         steps=args.steps, temperature=args.temperature,
@@ -183,6 +184,47 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
 
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """--dtype, --kv-cache-memory-bytes, --memory-utilization (engine memory options)."""
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations (auto: the checkpoint's torch_dtype)")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="explicit KV pool size (default: sized from --memory-utilization)")
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="share of host (CPU) or device memory for weights + KV cache")
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> None:
+    import torch
+
+    from cover_vllm.models.builtin import resolve_model
+    from cover_vllm.models.checkpoint_writer import CheckpointSpec, write_checkpoint
+
+    spec = CheckpointSpec(config=resolve_model(args.shape).config,
+                          dtype=getattr(torch, args.dtype), seed=args.seed,
+                          max_shard_bytes=args.max_shard_bytes)
+    index = write_checkpoint(spec, args.out)
+    shards = len(set(index["weight_map"].values()))
+    print(f"wrote {index['metadata']['total_size'] / 2**30:.2f} GiB in {shards} shard(s) to "
+          f"{args.out}")
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> None:
+    from cover_vllm.benchmarks.scale import ScaleSpec, format_scale, run_scale
+
+    spec = ScaleSpec(model=args.model, dtype=args.dtype,
+                     tensor_parallel_size=args.tensor_parallel_size,
+                     kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                     memory_utilization=args.memory_utilization, threads=args.threads,
+                     input_len=args.input_len, output_len=args.output_len,
+                     batch_sizes=args.batch_size, seed=args.seed, logits_path=args.dump_logits)
+    report = run_scale(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_scale(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def _bench_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
     p.add_argument("--decoding", type=_csv, default=("low_confidence",),
@@ -247,11 +289,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_positive_int, default=None,
                    help="denoising steps of fixed-schedule strategies (default: theirs)")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights (the only choice for weightless built-in shapes)")
+    add_memory_args(g)
     add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the "
+                       "official layout (config.json, index, <= 5 GB shards)")
+    m.add_argument("--shape", required=True, help="built-in shape (llada-8b, llada-1.5, "
+                   "dream-7b, dream-coder-7b, llada-moe-7b, llada-300m, ...) or a dir with "
+                   "config.json")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    m.add_argument("--out", required=True, help="directory to write (under /tmp for full sizes)")
+    m.add_argument("--seed", type=int, default=0, help="random values' seed")
+    m.add_argument("--max-shard-bytes", type=_positive_int, default=5_000_000_000,
+                   help="largest shard file")
+    m.set_defaults(func=cmd_make_checkpoint)
 
     e = sub.add_parser("eval", help="accuracy/NFE of strategies on verifiable tasks")
     e.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
@@ -293,6 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_common(lat)
     lat.add_argument("--repeats", type=_positive_int, default=3, help="requests timed")
     lat.set_defaults(func=cmd_bench_latency)
+    sc = b.add_parser("scale", help="load seconds, peak memory, s/step and tok/s of a "
+                      "full-size model (run in a fresh process)")
+    sc.add_argument("--model", required=True, help="checkpoint directory or built-in shape")
+    add_memory_args(sc)
+    sc.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                    help="mp worker processes")
+    add_threads_arg(sc)
+    sc.add_argument("--input-len", type=_positive_int, default=16, help="prompt tokens")
+    sc.add_argument("--output-len", type=_positive_int, default=32, help="generated tokens")
+    sc.add_argument("--batch-size", type=_positive_ints, default=(1, 4),
+                    help="batch sizes, comma-separated")
+    sc.add_argument("--seed", type=int, default=0, help="engine seed")
+    sc.add_argument("--dump-logits", default=None, help="save the first forward's logits here")
+    sc.add_argument("--json", default=None, help="write the report here")
+    sc.set_defaults(func=cmd_bench_scale)
     from cover_vllm.entrypoints.serve_cli import add_serve_parsers
 
     add_serve_parsers(sub, b)

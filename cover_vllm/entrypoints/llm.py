@@ -23,6 +23,8 @@ class LLM:
     kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
     cache_refresh (keyword): "block" (default) | "interval:N" | "adaptive" — when prefix/dual
     recompute their cached K/V (cover_vllm/cache_refresh.py); per request in SamplingParams.
+    kv_cache_memory_bytes: the KV pool; None sizes it from `memory_utilization` (an EngineConfig
+    field passed through **engine_kwargs, default 0.9 of host / device memory) after the weights.
     """
 
     def __init__(self, model: str, decoding: str = "cover", kv_cache: str = "dual",

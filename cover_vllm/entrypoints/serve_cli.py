@@ -6,7 +6,7 @@ import argparse
 import json
 
 from cover_vllm.entrypoints.cli import (KV_CACHES, LOAD_FORMATS, _json_obj, _positive_int,
-                                        _positive_ints, add_threads_arg)
+                                        _positive_ints, add_memory_args, add_threads_arg)
 
 
 def serve_args(args: argparse.Namespace):
@@ -20,7 +20,9 @@ def serve_args(args: argparse.Namespace):
                      load_format=args.load_format, threads=args.threads, seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend,
-                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address)
+                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address,
+                     dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                     memory_utilization=args.memory_utilization)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -62,6 +64,7 @@ def add_serve_parsers(sub, bench) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--served-model-name", default=None, help="id in /v1/models (default: MODEL)")
     s.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    add_memory_args(s)
     add_threads_arg(s)
     s.add_argument("--seed", type=int, default=0, help="engine seed")
     s.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,

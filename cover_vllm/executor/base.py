@@ -48,6 +48,8 @@ class Executor(Protocol):
 
     def check_health(self) -> None: ...                           # raises ExecutorError if dead
 
+    def peak_memory_bytes(self) -> list[int]: ...                 # VmHWM per rank, driver first
+
     def shutdown(self) -> None: ...                               # idempotent
 
 

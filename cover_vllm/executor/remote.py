@@ -46,6 +46,12 @@ class ShardWorker:
     def info(self) -> dict[str, int]:
         return {"pid": os.getpid(), "num_pages": self.worker.num_pages}
 
+    def peak_memory(self) -> int:
+        """This rank's peak resident memory (VmHWM) in bytes."""
+        from cover_vllm.worker.memory import peak_rss_bytes
+
+        return peak_rss_bytes()
+
     def connect(self, host: str, port: int) -> None:
         self.comm.connect(host, port)
 

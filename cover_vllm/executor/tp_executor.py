@@ -74,6 +74,12 @@ class TPExecutor:
     def num_pages(self) -> int:
         return self.driver.num_pages
 
+    def peak_memory_bytes(self) -> list[int]:
+        """Peak resident memory (VmHWM) of every rank's process, rank 0 (this one) first."""
+        self.check_health()
+        remote = self.ranks.wait(self.ranks.call("peak_memory"), self.timeout_s)
+        return [*self.driver.peak_memory_bytes(), *remote]
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         pending = None

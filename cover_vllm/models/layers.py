@@ -42,9 +42,17 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
         super().__init__()
         r = rotary_dim or head_dim
-        self.rotary_dim = r
-        inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim, self.theta = r, theta
+        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        r = self.rotary_dim
+        exponent = torch.arange(0, r, 2, dtype=torch.float32, device=device) / r
+        return 1.0 / (self.theta ** exponent)                              # [r/2], fp32
+
+    def reset_buffers(self) -> None:
+        """Recompute `inv_freq` (fp32) after a meta-device build (models/loader.py)."""
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] (absolute, int)."""

@@ -1,17 +1,25 @@
-"""Weight loading: safetensors (single file or sharded index), dtype resolution, dummy weights."""
+"""Model construction and weight loading that cost the weights and nothing more.
+
+The module is built on the meta device (no storage, no initialisation) in its final dtype; a
+tensor-parallel rank then shrinks it to its shard, still on meta (distributed/tensor_parallel.py);
+`materialize` gives every parameter uninitialised storage on the target device and rebuilds the
+non-persistent buffers (RoPE frequencies); `load_into` fills each parameter in place from a
+`WeightSource` (models/weights.py): the checkpoint's safetensors files read slice by slice, or
+the chunked dummy generator. Peak memory is the weights plus a 64 MiB staging buffer.
+"""
 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from cover_vllm.config import LOAD_FORMATS
+from cover_vllm.models.safetensors_io import Slice
 from cover_vllm.models.spec import ModelSpec
+from cover_vllm.models.weights import CheckpointWeights, DummyWeights, WeightSource
 
 # family -> (module, class); imported lazily so a family's extra needs only matter when used.
 MODEL_CLASSES = {
@@ -38,77 +46,105 @@ def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: str = "cpu"
 
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> nn.Module:
-    """Construct the family's module with uninitialised weights on `device` ("meta" is allowed)."""
+    """The family's module with uninitialised weights of `dtype` on `device` ("meta": no storage
+    at all). No initialiser ever runs, so this costs nothing but the final storage."""
     module_name, class_name = MODEL_CLASSES[spec.family]
     cls = getattr(importlib.import_module(module_name), class_name)
-    with torch.device(device):
+    with torch.device("meta"):
         model = cls(spec)
-    return model.to(dtype=dtype)
+    model.to(dtype=dtype)                      # free on meta; buffers are rebuilt in fp32
+    if str(device) != "meta":
+        materialize(model, device)
+    return model
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(
-        f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r} "
-        "(use load_format='dummy' for random weights)")
+def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Give a meta model uninitialised storage on `device` (pages are committed only when the
+    weights are written) and rebuild its non-persistent buffers (`reset_buffers` hooks)."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    return model
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter (works on meta models)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_source(resolved, model: nn.Module, load_format: str = "auto",
+                  seed: int = 0) -> WeightSource:
+    """The checkpoint of `resolved`, or dummy weights (shapes taken from the unsharded `model`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}; choose one of {list(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return DummyWeights({n: tuple(p.shape) for n, p in model.named_parameters()}, seed)
+    if resolved.path is None:
+        raise ValueError(f"built-in config {resolved.name!r} has no weights; "
+                         "use load_format='dummy'")
+    return CheckpointWeights(Path(resolved.path))
+
+
+def _check_names(model: nn.Module, source: WeightSource) -> None:
+    names = source.names()
+    if names is None:
+        return
+    params = dict(model.named_parameters())
+    extra = sorted(names - set(params))
+    if extra:
+        where = source.file_of(extra[0]) if hasattr(source, "file_of") else "the checkpoint"
+        raise ValueError(f"checkpoint tensor {extra[0]!r} in {where} has no place in the "
+                         f"{type(model).__name__} module" + (
+                             f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    missing = sorted(set(params) - names)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors of "
+                         f"{type(model).__name__}, e.g. {missing[:3]}")
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, source: WeightSource,
+              slices: dict[str, Slice] | None = None) -> None:
+    """Fill every parameter of a materialized `model` from `source`, in place; a parameter named
+    in `slices` is a tensor-parallel shard and gets only its slice. ValueError names the tensor
+    on a missing, unexpected or wrongly shaped tensor."""
+    _check_names(model, source)
+    slices = slices or {}
+    for name, param in model.named_parameters():
+        sl = slices.get(name)
+        want = sl.full_shape(tuple(param.shape)) if sl is not None else tuple(param.shape)
+        got = source.shape(name)
+        if got is not None and tuple(got) != want:
+            raise ValueError(f"{name}: checkpoint shape {tuple(got)} != model shape {want}")
+        if sl is not None and sl.zero:
+            param.zero_()
+        else:
+            source.fill(name, param.data, sl)
+    close = getattr(source, "close", None)
+    if callable(close):
+        close()
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every tensor from the checkpoint into `model`; names must match exactly."""
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} in {path.name} has no place in "
-                                     f"the {type(model).__name__} module")
-                tensor = f.get_tensor(name)
-                target = params[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"model shape {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(tensor.to(target.dtype))
-                seen.add(name)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks {len(missing)} tensors, "
-                         f"e.g. {missing[:3]}")
+    """Copy every tensor of the checkpoint in `model_dir` into `model`; names must match."""
+    load_into(model, CheckpointWeights(Path(model_dir)))
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights (normal std for matrices, ones for norms) for benchmarks at any size."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    """Random weights (N(0, std) matrices, ones for norms, zeros for other 1-D tensors)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    load_into(model, DummyWeights(shapes, seed, std))
 
 
 def instantiate(resolved, spec: ModelSpec, dtype: torch.dtype, load_format: str = "auto",
                 seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
-    """Build `resolved`'s module and fill it (checkpoint or dummy weights); eval mode, no grads."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format={load_format!r}; choose one of {list(LOAD_FORMATS)}")
-    model = build_model(spec, dtype, device)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    elif resolved.path is None:
-        raise ValueError(f"built-in config {resolved.name!r} has no weights; "
-                         "use load_format='dummy'")
-    else:
-        load_weights(model, resolved.path)
+    """Build `resolved`'s whole module and fill it (checkpoint or dummy); eval mode, no grads."""
+    model = build_model(spec, dtype, "meta")
+    source = weight_source(resolved, model, load_format, seed)
+    materialize(model, device)
+    load_into(model, source)
     return model.eval().requires_grad_(False)
 
 

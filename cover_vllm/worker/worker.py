@@ -9,10 +9,13 @@ import torch
 from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.models.builtin import ResolvedModel
-from cover_vllm.models.loader import instantiate, resolve_dtype
+from cover_vllm.distributed.tensor_parallel import param_slices
+from cover_vllm.models.loader import (build_model, load_into, materialize, resolve_dtype,
+                                      weight_source)
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
+from cover_vllm.worker.memory import peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from cover_vllm.worker.threads import apply_num_threads
 
@@ -29,7 +32,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 class Worker:
-    """With `tp` (tensor parallelism) the loaded model is sliced to this rank's shard and the
+    """The model is built on the meta device, sharded there under `tp`, then given storage and
+    filled from its weight source (models/loader.py), so a rank holds its shard and nothing more.
+
+    With `tp` (tensor parallelism) the loaded model is sliced to this rank's shard and the
     cache holds only this rank's kv heads; the page count is the same on every rank (and as
     with tensor_parallel_size=1): the KV budget is for the whole model, split over the ranks."""
 
@@ -38,11 +44,16 @@ class Worker:
         apply_num_threads(config.num_threads, spec.hidden_size, config.tensor_parallel_size)
         device = rank_device(config.device, tp.rank if tp is not None else 0)
         dtype = resolve_dtype(config.dtype, spec, config.device)
-        self.model = model = instantiate(resolved, spec, dtype, config.load_format, config.seed,
-                                         device)
+        model = build_model(spec, dtype, "meta")                # no storage yet
         per_token = kv_bytes_per_token(model.dims, dtype)       # whole model, all kv heads
+        source = weight_source(resolved, model, config.load_format, config.seed)
+        slices = None
         if tp is not None:
+            slices = param_slices(model, tp.rank, tp.world_size)
             tp.shard(model)                                     # model.dims: local heads now
+        materialize(model, device)                              # this rank's shard only
+        load_into(model, source, slices)
+        self.model = model.eval().requires_grad_(False)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)
         num_pages = max(1, budget // (per_token * config.page_size))
         self.tp = tp
@@ -56,6 +67,10 @@ class Worker:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = self.runner.execute_model(out)
         return result if self.tp is None else self.tp.reduce_stats(result)
+
+    def peak_memory_bytes(self) -> list[int]:
+        """Peak resident memory (VmHWM) of this process, as a one-rank list."""
+        return [peak_rss_bytes()]
 
     def check_health(self) -> None:
         """In-process: nothing can die independently of the engine."""

@@ -39,6 +39,9 @@ class ServeArgs:
     distributed_executor_backend: str | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None
+    dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9
 
     @property
     def needs_ray(self) -> bool:
@@ -50,7 +53,9 @@ def make_config(args: ServeArgs) -> EngineConfig:
                         cache_refresh=args.cache_refresh, max_num_seqs=args.max_num_seqs, load_format=args.load_format,
                         num_threads=args.threads, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        distributed_executor_backend=args.distributed_executor_backend)
+                        distributed_executor_backend=args.distributed_executor_backend,
+                        dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        memory_utilization=args.memory_utilization)
 
 
 def make_engine(args: ServeArgs) -> Engine:

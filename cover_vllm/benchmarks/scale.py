@@ -1,0 +1,131 @@
+"""`cover-vllm bench scale`: what a full-size model costs to load and run on this machine.
+
+One process (run it fresh: the peak is the process's VmHWM since start): load seconds, the
+memory plan (weight bytes, KV budget and pages), peak resident memory of every rank after
+loading and after generating, then one COVER + dual-cache generation at batch 1 and one at
+batch 4 (`output_len` tokens, one block, random prompt ids, EOS ignored): seconds per engine
+step (all steps, and window steps without the block-start refresh) and output tokens/s.
+`logits_path` saves the driver's logits of the very first forward (batch 1) so two runs, e.g.
+TP=1 and TP=2, can be compared (`compare_logits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from cover_vllm.benchmarks.machine import machine_info
+from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.models.builtin import resolve_model
+from cover_vllm.sampling_params import SamplingParams
+
+GiB = 1 << 30
+PHASES = ("schedule", "prepare", "forward", "strategy", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleSpec:
+    model: str
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9
+    threads: int | None = None
+    input_len: int = 16
+    output_len: int = 32
+    batch_sizes: tuple[int, ...] = (1, 4)
+    seed: int = 0
+    logits_path: str | None = None
+
+
+def _capture_first_logits(llm: LLM, path: str) -> None:
+    """Wrap the executor so the first forward's driver logits are saved to `path` (fp32)."""
+    executor = llm.engine.executor
+    real = executor.execute_model
+
+    def execute(out):
+        result = real(out)
+        if not getattr(execute, "done", False):
+            torch.save([t.float() for t in result.logits], path)
+            execute.done = True
+        return result
+    executor.execute_model = execute
+
+
+def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
+    gen = torch.Generator().manual_seed(spec.seed + batch)
+    vocab = llm.engine.spec.mask_token_id          # ids below the mask id are ordinary tokens
+    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (spec.input_len,),
+                                                  generator=gen).tolist()} for _ in range(batch)]
+    params = SamplingParams(max_tokens=spec.output_len, block_length=spec.output_len,
+                            ignore_eos=True, decoding="cover", kv_cache="dual", seed=spec.seed)
+    llm.engine.step_times = []
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    steps = llm.engine.step_times
+    llm.engine.step_times = None
+    totals = [sum(t[p] for p in PHASES) for t in steps]
+    window = [s for s, t in zip(totals, steps) if not t["num_refresh"]] or totals
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"batch_size": batch, "steps": len(steps), "step_s": statistics.mean(totals),
+            "window_step_s": statistics.mean(window), "forward_s": statistics.mean(
+                t["forward"] for t in steps), "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds, "nfe": statistics.mean(o.metrics.nfe for o in outs),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def run_scale(spec: ScaleSpec, log=print) -> dict:
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
+    start = time.perf_counter()
+    llm = LLM(spec.model, decoding="cover", kv_cache="dual", dtype=spec.dtype, seed=spec.seed,
+              tensor_parallel_size=spec.tensor_parallel_size, load_format=load_format,
+              kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+              memory_utilization=spec.memory_utilization, num_threads=spec.threads)
+    load_s = time.perf_counter() - start
+    plan = llm.engine.memory
+    report = {"spec": dataclasses.asdict(spec), "machine": machine_info(), "load_s": load_s,
+              "load_format": load_format, "weight_bytes": plan.weight_bytes,
+              "kv_bytes": plan.kv_bytes, "kv_pages": plan.num_pages,
+              "page_size": plan.page_size, "canvases": plan.canvases,
+              "canvas_tokens": plan.canvas_tokens,
+              "peak_rss_after_load": llm.engine.peak_memory_bytes()}
+    log(f"loaded in {load_s:.1f} s; {plan.startup_line()}; peak RSS per rank "
+        f"{[round(b / GiB, 2) for b in report['peak_rss_after_load']]} GiB")
+    if spec.logits_path:
+        _capture_first_logits(llm, spec.logits_path)
+    report["generate"] = []
+    for batch in spec.batch_sizes:
+        row = _generate(llm, spec, batch)
+        report["generate"].append(row)
+        log(f"batch {batch}: {row['steps']} steps, {row['step_s']:.2f} s/step "
+            f"({row['window_step_s']:.2f} s per window step), {row['tokens_per_s']:.2f} tok/s")
+    report["peak_rss"] = llm.engine.peak_memory_bytes()
+    llm.shutdown()
+    return report
+
+
+def format_scale(report: dict) -> str:
+    peaks = ", ".join(f"{b / GiB:.2f}" for b in report["peak_rss"])
+    lines = [f"model {report['spec']['model']} ({report['load_format']}), "
+             f"TP={report['spec']['tensor_parallel_size']}, "
+             f"{report['machine']['threads']} threads",
+             f"load {report['load_s']:.1f} s, weights {report['weight_bytes'] / GiB:.2f} GiB, "
+             f"KV {report['kv_bytes'] / GiB:.2f} GiB ({report['kv_pages']} pages), "
+             f"peak RSS per rank [{peaks}] GiB",
+             "| batch | steps | s/step | s/window step | tokens/s | NFE |", "|---|---|---|---|---|---|"]
+    for r in report["generate"]:
+        lines.append(f"| {r['batch_size']} | {r['steps']} | {r['step_s']:.2f} | "
+                     f"{r['window_step_s']:.2f} | {r['tokens_per_s']:.2f} | {r['nfe']:.0f} |")
+    return "\n".join(lines)
+
+
+def compare_logits(path_a: str, path_b: str) -> float:
+    """Max |a - b| over the first-forward logits saved by two runs (`logits_path`)."""
+    a, b = torch.load(path_a), torch.load(path_b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))

@@ -1,0 +1,160 @@
+"""Safetensors files read and written a slice at a time, without mapping or holding a whole file.
+
+The format (https://huggingface.co/docs/safetensors): 8 bytes little-endian header length N, an
+N-byte JSON header `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {}}`
+with offsets relative to the end of the header, then the raw little-endian tensor bytes.
+
+Why not `safe_open`: it memory-maps the whole file, and every page a tensor read touches stays
+resident *in this process* (VmRSS / VmHWM count mapped file pages) until the file is closed, so
+reading a 5 GB shard shows up as 5 GB of peak memory on top of the weights. Here a tensor, or one
+rank's slice of it, is read with plain `readinto` straight into its destination when the bytes
+are contiguous and the dtype matches, else through a bounded staging buffer (`CHUNK_BYTES`).
+Any file in the format loads, whoever wrote it (`safetensors.torch.save_file` included).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Iterator
+
+import torch
+
+CHUNK_BYTES = 64 << 20          # staging buffer for converted or strided reads
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+             "F16": torch.float16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+             "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements [start, start + size) along `dim` of a checkpoint tensor whose full length there
+    is `full` (one tensor-parallel rank's shard); `zero=True`: the rank holds zeros of the
+    shard's shape instead (a row-parallel bias is added by rank 0 only)."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
+    zero: bool = False
+
+    def full_shape(self, shard_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.full if d == self.dim else n for d, n in enumerate(shard_shape))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int                 # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Parse and check a safetensors header; ValueError naming the file if it is malformed."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: unreadable safetensors header ({exc})") from None
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']} (supported: "
+                             f"{sorted(ST_DTYPES)})")
+        begin, end = entry["data_offsets"]
+        dtype, shape = ST_DTYPES[entry["dtype"]], tuple(int(s) for s in entry["shape"])
+        if end - begin != dtype.itemsize * numel(shape):
+            raise ValueError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+        infos[name] = TensorInfo(dtype, shape, 8 + n + begin, end - begin)
+    return infos
+
+
+def numel(shape: Iterable[int]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _readinto(f: BinaryIO, offset: int, buf: memoryview) -> None:
+    f.seek(offset)
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            raise ValueError(f"{f.name}: file ends before the tensor data does (truncated?)")
+        got += n
+
+
+def read_tensor_into(f: BinaryIO, info: TensorInfo, dst: torch.Tensor,
+                     sl: Slice | None = None) -> None:
+    """Fill `dst` with the tensor at `info` (or with its slice `sl`), converting to dst.dtype."""
+    assert sys.byteorder == "little", "safetensors data is little-endian"
+    # The tensor as [outer, length, inner] around the sliced dim; rows of `outer` are strided.
+    dim = sl.dim if sl is not None else 0
+    shape = info.shape or (1,)
+    outer, length, inner = numel(shape[:dim]), shape[dim], numel(shape[dim + 1:])
+    start, size = (sl.start, sl.size) if sl is not None else (0, length)
+    item = info.dtype.itemsize
+    direct = dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous()
+    if direct and (outer == 1 or size == length):                  # one contiguous byte range
+        _readinto(f, info.offset + start * inner * item, _as_bytes(dst))
+        return
+    flat = dst.view(outer, size, inner)
+    row_bytes = length * inner * item                              # one outer row, unsliced
+    if outer == 1:                                                 # dim-0 slice, other dtype
+        per = max(1, CHUNK_BYTES // max(1, inner * item))
+        for a in range(0, size, per):
+            n = min(per, size - a)
+            stage = torch.empty((n, inner), dtype=info.dtype)
+            _readinto(f, info.offset + (start + a) * inner * item, _as_bytes(stage))
+            flat[0, a:a + n].copy_(stage)
+        return
+    per = max(1, CHUNK_BYTES // row_bytes)                         # strided: whole outer rows
+    for a in range(0, outer, per):
+        n = min(per, outer - a)
+        stage = torch.empty((n, length, inner), dtype=info.dtype)
+        _readinto(f, info.offset + a * row_bytes, _as_bytes(stage))
+        flat[a:a + n].copy_(stage[:, start:start + size])
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      chunks: Iterator[torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Stream a safetensors file: the header from (name, dtype, shape), then the data from
+    `chunks` (contiguous pieces of the tensors in that order, already in their dtype), so no
+    more than a chunk is ever in memory."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = numel(shape) * dtype.itemsize
+        header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                                # data 8-byte aligned
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for chunk in chunks:
+            data = _as_bytes(chunk.contiguous())
+            f.write(data)
+            written += len(data)
+    if written != offset:
+        raise RuntimeError(f"{path}: wrote {written} data bytes, header promised {offset}")

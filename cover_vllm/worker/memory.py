@@ -1,0 +1,139 @@
+"""The memory budget: weights first, the KV pool from what is left, checked before anything is
+allocated; and the process memory readings (/proc VmHWM) benchmarks and tests report.
+
+On CPU every tensor-parallel rank shares the host's memory, so the weights of all ranks (the
+sharded parts once, the replicated parts once per rank) plus the whole KV pool must fit in
+`memory_utilization` x MemTotal. On a GPU each rank has its own device: its shard plus its
+1/N of the pool must fit in `memory_utilization` x the device's memory.
+
+The KV pool is the user's `kv_cache_memory_bytes` when given; otherwise the old default (room
+for `max_num_seqs` canvases of the model's max length, capped at 2 GiB), lowered to what the
+budget leaves after the weights. If the weights plus one canvas of `canvas_tokens` cannot fit,
+`plan_memory` raises ValueError with the numbers before a byte is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.models.spec import ModelSpec
+
+GiB = 1 << 30
+DEFAULT_CANVAS_TOKENS = 1024      # "a request" for the budget check and the startup line
+
+
+def host_memory_bytes() -> int:
+    """MemTotal of this host (from /proc/meminfo; sysconf elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {field}")
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """The process's peak resident memory (VmHWM: anonymous and mapped file pages alike)."""
+    return _status_kib("VmHWM", pid) * 1024
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    return _status_kib("VmRSS", pid) * 1024
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int          # parameters of every rank (sharded once, replicated x ranks)
+    kv_bytes: int              # the whole KV pool (all ranks): num_pages x page bytes
+    num_pages: int
+    page_size: int             # tokens per page
+    canvas_tokens: int         # the "default length" canvases are counted in
+    capacity_bytes: int        # memory_utilization x host (CPU) or device memory
+    kv_bytes_per_token: int
+
+    @property
+    def canvases(self) -> int:
+        pages_per_canvas = -(-self.canvas_tokens // self.page_size)
+        return self.num_pages // pages_per_canvas
+
+    def startup_line(self) -> str:
+        return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV cache "
+                f"{self.kv_bytes / GiB:.2f} GiB = {self.num_pages} pages of {self.page_size} "
+                f"tokens, fits {self.canvases} canvases of {self.canvas_tokens} tokens "
+                f"(budget {self.capacity_bytes / GiB:.2f} GiB)")
+
+
+def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+    """(bytes of one rank, bytes of all ranks) of a meta model split over `world_size` ranks."""
+    from cover_vllm.distributed.tensor_parallel import param_slices
+
+    if world_size == 1:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        return total, total
+    sliced = param_slices(model, 0, world_size)
+    sharded = replicated = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name in sliced and not sliced[name].zero:
+            sharded += nbytes
+        else:
+            replicated += nbytes
+    return sharded // world_size + replicated, sharded + replicated * world_size
+
+
+def _capacity(config: EngineConfig) -> tuple[int, bool]:
+    """(usable bytes, shared by all ranks?) for the configured device."""
+    if str(config.device).startswith("cuda"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        return int(config.memory_utilization * total), False
+    return int(config.memory_utilization * host_memory_bytes()), True
+
+
+def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
+    """Size the KV pool for `model` (the unsharded meta model in its final dtype)."""
+    from cover_vllm.worker.kv_cache import kv_bytes_per_token
+
+    n = config.tensor_parallel_size
+    dtype = next(model.parameters()).dtype
+    per_token = kv_bytes_per_token(model.dims, dtype)
+    page_bytes = per_token * config.page_size
+    per_rank, all_ranks = weight_bytes(model, n)
+    capacity, shared = _capacity(config)
+    weights = all_ranks if shared else per_rank
+    share = 1 if shared else n                   # a device holds 1/n of the pool
+    canvas = min(spec.max_model_len, DEFAULT_CANVAS_TOKENS)
+    canvas_bytes = -(-canvas // config.page_size) * page_bytes
+    left = capacity - weights
+    where = ("host memory" if shared else "device memory")
+    if weights + canvas_bytes // share > capacity:
+        raise ValueError(
+            f"{spec.family} weights need {weights / GiB:.2f} GiB and one {canvas}-token canvas "
+            f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but memory_utilization="
+            f"{config.memory_utilization} of the {where} allows {capacity / GiB:.2f} GiB; use a "
+            "smaller dtype (bfloat16), more tensor-parallel ranks, or raise memory_utilization")
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+        if weights + budget // share > capacity:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} ({budget / GiB:.2f} GiB) plus the weights "
+                f"({weights / GiB:.2f} GiB) exceed memory_utilization={config.memory_utilization}"
+                f" of the {where} ({capacity / GiB:.2f} GiB); at most {left * share} bytes fit")
+    else:
+        budget = min(config.kv_budget_bytes(per_token, spec.max_model_len), left * share)
+    num_pages = max(1, budget // page_bytes)
+    return MemoryPlan(weights, num_pages * page_bytes, num_pages, config.page_size, canvas,
+                      capacity, per_token)
