@@ -255,11 +255,17 @@ def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
         assert replica.poll(0.0)[0] == []           # 3 steps: no block finished yet
         assert replica.stats()["running"] == 1
         replica.limit_steps(None)
-        outs = []
-        while not (outs and outs[-1][1].finished):
+        outs, handled = [], 0
+        while not (outs and outs[-1][2].finished):
             assert time.monotonic() < deadline, "the request never finished"
-            outs += replica.poll(1.0)[0]
-        assert len(outs[-1][1].outputs[0].token_ids) == 16
+            new = replica.poll(1.0, handled)[0]
+            if new:
+                last_batch, last_after, handled = new, handled, new[-1][0]
+                outs += new
+        assert [n for n, _, _ in outs] == list(range(1, len(outs) + 1))
+        assert len(outs[-1][2].outputs[0].token_ids) == 16
+        assert replica.poll(0.0, last_after)[0] == last_batch    # not acknowledged: sent again
+        assert replica.poll(0.0, handled)[0] == []               # acknowledged: dropped
     finally:
         replica.shutdown()
 

@@ -1,7 +1,9 @@
 """EngineReplica: one whole Engine inside a Ray actor, stepped by its own thread (data parallelism).
 
 The router (engine/dp_router.py) calls `add_request` / `abort` and long-polls `poll`; the actor is
-threaded (Ray `max_concurrency` > 1) so a blocking `poll` never holds up an `add_request`. One
+threaded (Ray `max_concurrency` > 1) so a blocking `poll` never holds up an `add_request`.
+Outputs are numbered and stay in the outbox until a later poll acknowledges them (`after`), so
+an answer that never reaches the router (a poll whose caller was cancelled) is sent again. One
 lock guards the engine: the stepping thread holds it for a step, callers for an add or abort.
 If a step raises, every request of this replica fails with the error text (a step is one batch,
 so the culprit cannot be told apart) and the replica carries on with new requests, unless its
@@ -24,8 +26,8 @@ from cover_vllm.engine.engine import Engine
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 
-# one poll result: [(request_id, RequestOutput | error text)], and the replica's load gauges
-PollResult = tuple[list[tuple[str, Any]], dict[str, int]]
+# one poll result: [(number, request_id, RequestOutput | error text)], and the load gauges
+PollResult = tuple[list[tuple[int, str, Any]], dict[str, int]]
 
 
 class EngineReplica:
@@ -33,7 +35,8 @@ class EngineReplica:
         self.index = index
         self.engine = Engine(config)
         self._cond = threading.Condition()
-        self._outbox: list[tuple[str, RequestOutput | str]] = []
+        self._outbox: list[tuple[int, str, RequestOutput | str]] = []   # not yet acknowledged
+        self._sent = 0                     # number of the last output put in the outbox
         self._live: set[str] = set()       # request ids added and not finished / aborted / failed
         self._served = 0                   # requests finished by this replica
         self._stopped = False
@@ -70,12 +73,17 @@ class EngineReplica:
             self._steps_left = steps
             self._cond.notify_all()
 
-    def poll(self, timeout_s: float) -> PollResult:
-        """Outputs since the last poll (waits up to `timeout_s` for one) and the load gauges."""
+    def poll(self, timeout_s: float, after: int = 0) -> PollResult:
+        """The outputs numbered above `after` (the caller has handled every output up to it,
+        and those are dropped), waiting up to `timeout_s` for one, and the load gauges."""
         with self._cond:
+            self._outbox = [entry for entry in self._outbox if entry[0] > after]
             self._cond.wait_for(lambda: self._outbox or self._stopped, timeout_s)
-            items, self._outbox = self._outbox, []
-            return items, self._gauges()
+            return list(self._outbox), self._gauges()
+
+    def _emit(self, request_id: str, item: RequestOutput | str) -> None:
+        self._sent += 1
+        self._outbox.append((self._sent, request_id, item))
 
     def _gauges(self) -> dict[str, int]:
         sched, pool = self.engine.scheduler, self.engine.pool
@@ -115,7 +123,7 @@ class EngineReplica:
             error = f"replica {self.index}: engine step failed: {type(exc).__name__}: {exc}"
             for request_id in sorted(self._live):
                 self.engine.abort_request(request_id)
-                self._outbox.append((request_id, error))
+                self._emit(request_id, error)
             self._live.clear()
             try:
                 self.engine.check_health()
@@ -125,7 +133,7 @@ class EngineReplica:
         for out in outputs:
             if out.request_id not in self._live:
                 continue
-            self._outbox.append((out.request_id, out))
+            self._emit(out.request_id, out)
             if out.finished:
                 self._live.discard(out.request_id)
                 self._served += 1

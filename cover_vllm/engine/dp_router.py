@@ -58,6 +58,7 @@ class _Replica:
     alive: bool = True
     in_flight: int = 0                 # requests routed here and not finished / aborted
     served: int = 0                    # requests that finished here
+    handled: int = 0                   # number of the last output routed (acknowledged next poll)
     gauges: dict[str, int] = field(default_factory=dict)
     task: asyncio.Task | None = None
 
@@ -173,15 +174,17 @@ class DPRouter:
         ray = ray_module()
         while replica.alive and not self._stopped:
             try:
-                items, gauges = await replica.actor.poll.remote(self.poll_s)
+                items, gauges = await replica.actor.poll.remote(self.poll_s, replica.handled)
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.RayActorError as exc:
                 self._replica_died(replica, exc)
                 return
             replica.gauges = gauges
-            for request_id, item in items:
-                self._route(replica, request_id, item)
+            for number, request_id, item in items:
+                if number > replica.handled:       # a resend of what was routed is skipped
+                    self._route(replica, request_id, item)
+                    replica.handled = number
             if gauges.get("fatal"):                          # its engine died (a TP worker)
                 self._replica_died(replica, RuntimeError(gauges["fatal"]))
                 replica.actor.shutdown.remote()              # stop what is left of it
