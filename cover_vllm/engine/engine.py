@@ -24,7 +24,7 @@ from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.strategies import Strategy, make_params, strategy_class
-from cover_vllm.worker.memory import MemoryPlan, plan_memory
+from cover_vllm.worker.memory import plan_memory
 
 logger = init_logger(__name__)
 
@@ -37,12 +37,6 @@ def _load_tokenizer(path):
     return load_tokenizer(path) if has_tokenizer(path) else None
 
 
-def _plan(config: EngineConfig, spec: ModelSpec) -> MemoryPlan:
-    """The memory plan from a meta build of the model (no storage): raises before loading."""
-    meta = build_model(spec, resolve_dtype(config.dtype, spec, config.device), "meta")
-    return plan_memory(config, spec, meta)
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_model(config.model)
@@ -53,7 +47,10 @@ class Engine:
         self.spec = ModelSpec.from_config(resolved.config)
         strategy_class(config.decoding)                        # fail early on a bad default
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
-        self.memory = _plan(config, self.spec)
+        # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
+        meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
+        self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
+        self.flop_model = FlopModel.of(meta, meta.dims)
         # the resolved KV budget travels to every rank (the same page count everywhere)
         self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
         self.tokenizer = _load_tokenizer(resolved.path)
@@ -65,8 +62,6 @@ class Engine:
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
-        whole = build_model(self.spec, device="meta")             # all heads, no memory
-        self.flop_model = FlopModel.of(whole, whole.dims)
         self.refresh_policy = config.refresh_policy
         self._strategies: dict[tuple[str, Any], Strategy] = {}
         self._requests: dict[str, Request] = {}
