@@ -71,6 +71,9 @@ class AttentionMetadata:
     ex_index: torch.Tensor       # [B, Emax] flat token of each padded extra row (pad -> 0)
     ex_out: torch.Tensor         # [Te] position of each extra row in the [B * Emax] layout
     ex_allowed: torch.Tensor     # [B, Emax, Kmax + Emax] bool: canvas columns, then extra rows
+    write_all: bool = False      # every window token is written, in order (write_index = arange)
+    dense_queries: bool = False  # every window has Qmax tokens: q_index and out_index = arange
+    all_keys_valid: bool = False  # no padded or hidden key column (key_valid all True)
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _ov_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -146,6 +149,7 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         write_slots.append(slots)
         offset += n
     ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, offset)
+    num_written = sum(int(w.numel()) for w in write_index)
     ov = torch.tensor(overrides, dtype=torch.long).reshape(-1, 6)
     ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra = ov.to(device).unbind(1)
     ov_fresh = torch.zeros(b, max(len(s.override) for s in seqs), dtype=torch.long, device=device)
@@ -157,7 +161,9 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         key_slots=key_slots.to(device), key_valid=key_valid.to(device),
         ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col, ov_key=ov_seq * k_max + ov_col,
         ov_slot=ov_slot, ov_extra=ov_extra, ov_fresh=ov_fresh, num_overrides=len(overrides),
-        ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device))
+        ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device),
+        write_all=num_written == offset, dense_queries=offset == b * q_max,
+        all_keys_valid=bool(key_valid.all()))
 
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
@@ -183,6 +189,21 @@ def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
     return ex_index, ex_out, ex_allowed
 
 
+def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Window rows of the flat q [T, H, d] -> padded per sequence [B, Qmax, H, d] (a view when
+    every window is full length)."""
+    b, q_max = meta.q_index.shape
+    if meta.dense_queries:
+        return q[:b * q_max].view(b, q_max, *q.shape[1:])
+    return q[meta.q_index]
+
+
+def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[B, Qmax, H, d] -> the window rows on the flat axis [Tm, H, d] (drops padding)."""
+    flat = o.reshape(-1, *o.shape[2:])
+    return flat if meta.dense_queries else flat[meta.out_index]
+
+
 def gather_pages(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [slots, Hkv, d] at slots [B, K] -> [B, K, Hkv, d] (index_select: ~1.6x faster on CPU
     than 2-D advanced indexing)."""
@@ -202,14 +223,16 @@ class AttentionBackend(ABC):
         Returns o [T, H, d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
         rows attended over (for statistics that need them)."""
         k_cache, v_cache = cache
-        k_cache.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_index))
-        v_cache.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_index))
+        t = meta.num_window_tokens
+        k_new, v_new = ((k[:t], v[:t]) if meta.write_all else
+                        (k.index_select(0, meta.write_index), v.index_select(0, meta.write_index)))
+        k_cache.index_copy_(0, meta.write_slots, k_new)
+        v_cache.index_copy_(0, meta.write_slots, v_new)
         keys = gather_pages(k_cache, meta.key_slots)       # [B, Kmax, Hkv, d]
         values = gather_pages(v_cache, meta.key_slots)
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
         else:
-            t = meta.num_window_tokens
             o = torch.cat([self.attend(q[:t], k[:t], v[:t], keys, values, meta),
                            self.attend_extra(q, k, v, keys, values, meta)])
         return (o, keys) if return_keys else o

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.attention.base import AttentionBackend, AttentionMetadata
+from cover_vllm.attention.base import (AttentionBackend, AttentionMetadata, pad_queries,
+                                       unpad_queries)
 from cover_vllm.attention.correction import (apply_override_correction, expand_kv_heads,
                                              override_row_lse)
 
@@ -44,28 +45,28 @@ class SDPABackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        b, q_max = meta.q_index.shape
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        qp = q[meta.q_index].transpose(1, 2)                   # [B, H, Qmax, d]
+        num_heads = q.shape[1]
+        qp = pad_queries(q, meta).transpose(1, 2)                         # [B, H, Qmax, d]
+        gqa = num_heads != k.shape[1]
         if meta.num_overrides and self._mask_overrides(q):
             fresh = meta.ov_fresh.flatten()
             shape = (*meta.ov_fresh.shape, *k.shape[1:])                    # [B, Smax, Hkv, d]
             kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
             vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.override_bias(q.dtype),
-                                               enable_gqa=num_heads != k.shape[1])
-            return o.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[meta.out_index]
+                                               enable_gqa=gqa)
+            return unpad_queries(o.transpose(1, 2), meta)
         kp, vp = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Kmax, d]
         lse = None
         if q.device.type == "cpu" and meta.num_overrides:
             o, lse = _FLASH_CPU(qp, expand_kv_heads(kp, num_heads, 1),
                                 expand_kv_heads(vp, num_heads, 1), 0.0, False,
-                                attn_mask=meta.key_bias(q.dtype))
+                                attn_mask=None if meta.all_keys_valid else meta.key_bias(q.dtype))
             lse = lse[meta.ov_seq, :, meta.ov_slot]                        # [S, H]
         else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.key_valid[:, None, None],
-                                               enable_gqa=num_heads != k.shape[1])
-        o = o.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[meta.out_index]
+            mask = None if meta.all_keys_valid else meta.key_valid[:, None, None]
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
+        o = unpad_queries(o.transpose(1, 2), meta)
         if meta.num_overrides == 0:
             return o
         if lse is None:

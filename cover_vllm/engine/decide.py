@@ -24,6 +24,9 @@ class RowDecision:
 
 
 def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
+    """[len_i, ...] rows -> [n, width, ...], padded with `fill` (a new tensor either way)."""
+    if all(r.shape[0] == width for r in rows):
+        return torch.stack(rows)
     out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
     for i, r in enumerate(rows):
         out[i, : r.shape[0]] = r

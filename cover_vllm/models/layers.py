@@ -36,7 +36,8 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with fp32 inverse frequencies theta^(-2k/r), applied in fp32.
 
     Only the first `rotary_dim` (r, default head_dim) channels of each head rotate; the rest pass
-    through unchanged (HF `partial_rotary_factor`).
+    through unchanged (HF `partial_rotary_factor`). `at(positions)` computes the angles once per
+    forward; every layer then applies the same `Rotation`.
     """
 
     def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
@@ -54,34 +55,156 @@ class RotaryEmbedding(nn.Module):
         """Recompute `inv_freq` (fp32) after a meta-device build (models/loader.py)."""
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] (absolute, int)."""
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of tokens at `positions` [T] (absolute, int)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, r/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]              # [T, 1, r]
-        x32 = x.float()
-        x_rot, x_pass = x32[..., :self.rotary_dim], x32[..., self.rotary_dim:]
+        sin = emb.sin()
         half = self.rotary_dim // 2
-        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-        out = torch.cat([x_rot * emb.cos() + rotated * emb.sin(), x_pass], dim=-1)
-        return out.to(x.dtype)
+        sin[..., :half].neg_()          # rotate_half(x) * sin == roll(x, r/2) * [-sin, sin]
+        return Rotation(emb.cos(), sin, self.rotary_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]."""
+        return self.at(positions)(x)
+
+
+class Rotation:
+    """RoPE angles of one forward's tokens: cos and the signed sin [T, 1, r], fp32."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int):
+        self.cos, self.signed_sin, self.rotary_dim = cos, signed_sin, rotary_dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated, computed in fp32, returned in x.dtype.
+
+        x·cos + rotate_half(x)·sin, with rotate_half(x) = [-x2, x1] written as roll(x)·[-1, 1]
+        folded into the sin (bit-identical: IEEE negation is exact)."""
+        r = self.rotary_dim
+        x32 = x.float()
+        if r == x.shape[-1]:
+            return (x32 * self.cos + x32.roll(r // 2, -1) * self.signed_sin).to(x.dtype)
+        x_rot, x_pass = x32[..., :r], x32[..., r:]
+        out = x_rot * self.cos + x_rot.roll(r // 2, -1) * self.signed_sin
+        return torch.cat([out, x_pass], dim=-1).to(x.dtype)
+
+
+class FusedLinears:
+    """Linear layers that read the same input, run as one GEMM.
+
+    `fuse()` re-points each layer's weight (and bias) at a row slice of one [sum(out), in]
+    tensor, so the layers keep their names, shapes and in-place loading (a checkpoint tensor is
+    written straight into its slice), and tensor-parallel shards fuse per rank. A layer whose
+    weight no longer lies in the fused tensor (e.g. after `model.to(...)` re-allocated it) makes
+    `__call__` fall back to one GEMM per layer, so the result never goes stale.
+    """
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        return [lin.out_features for lin in self.linears]
+
+    @torch.no_grad()
+    def fuse(self, copy: bool = True) -> None:
+        """Allocate the fused tensors and make every layer's parameters views of them (`copy`:
+        keep their current values; False right after materialising, when they hold nothing)."""
+        first = self.linears[0].weight
+        if first.device.type == "meta":
+            return
+        self.weight = self._stack([lin.weight for lin in self.linears], copy)
+        biases = [lin.bias for lin in self.linears]
+        self.bias = None if any(b is None for b in biases) else self._stack(biases, copy)
+        for i, lin in enumerate(self.linears):
+            lin.weight = nn.Parameter(self._part(self.weight, i), requires_grad=False)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self._part(self.bias, i), requires_grad=False)
+
+    def _stack(self, parts: list[torch.Tensor], copy: bool) -> torch.Tensor:
+        if copy:
+            return torch.cat([p.detach() for p in parts])
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        return torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
+
+    def _part(self, fused: torch.Tensor, i: int) -> torch.Tensor:
+        start = sum(self.sizes[:i])
+        return fused[start:start + self.sizes[i]]
+
+    def _fused(self) -> bool:
+        """Whether every layer's parameters still are the slices `fuse` made."""
+        if self.weight is None:
+            return False
+        start = 0
+        for lin, size in zip(self.linears, self.sizes):
+            if not (_is_rows(lin.weight, self.weight, start)
+                    and (self.bias is None or _is_rows(lin.bias, self.bias, start))):
+                return False
+            start += size
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, sum(out)]: the layers' outputs side by side, from one GEMM."""
+        if not self._fused():
+            return torch.cat([lin(x) for lin in self.linears], dim=-1)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _is_rows(t: torch.Tensor | None, fused: torch.Tensor, start: int) -> bool:
+    """Whether `t` is `fused`'s row slice starting at row `start` (same storage and dtype)."""
+    if t is None or t.dtype != fused.dtype:
+        return False
+    offset = start * fused.stride(0) * fused.element_size()
+    return t.data_ptr() == fused.data_ptr() + offset
+
+
+def fuse_projections(model: nn.Module, copy: bool = True) -> None:
+    """Fuse the projections of every module that groups them (`fused_groups()`)."""
+    for module in model.modules():
+        groups = getattr(module, "fused_groups", None)
+        if callable(groups):
+            for group in groups():
+                group.fuse(copy)
 
 
 class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF Llama/Qwen2 tensor names."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF Llama/Qwen2 tensor names; gate and up
+    run as one GEMM once fused (`FusedLinears`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+
+    def fused_groups(self) -> list[FusedLinears]:
+        return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_up(x)))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2M] (gate, up side by side) -> silu(gate) * up [T, M]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              rot: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, H + 2 Hkv, d] fused projection output -> rotated q [T, H, d], rotated k, v; q and k
+    rotate in one call (RoPE is per head)."""
+    qk = rot(qkv[:, :num_heads + num_kv_heads])
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:]
 
 
 class SelfAttention(nn.Module):
     """`self_attn.{q,k,v,o}_proj` (+ optional per-head `q_norm`/`k_norm`), RoPE, then the caller's
-    AttentionFn (dense or paged). Grouped-query heads: query head h reads kv head h // group."""
+    AttentionFn (dense or paged). Grouped-query heads: query head h reads kv head h // group.
+    q, k and v run as one GEMM once fused."""
 
     def __init__(self, dims: ModelDims, *, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm_eps: float | None = None, clip_qkv: float | None = None):
@@ -94,21 +217,28 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(dims.num_heads * hd, d, bias=o_bias)
         self.q_norm = RMSNorm(hd, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(hd, qk_norm_eps) if qk_norm_eps is not None else None
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, h: torch.Tensor, layer: int, positions: torch.Tensor,
-                rope: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+    def fused_groups(self) -> list[FusedLinears]:
+        return [self.qkv]
+
+    def forward(self, h: torch.Tensor, layer: int, rot: Rotation,
+                attn: AttentionFn) -> torch.Tensor:
         """h: [T, hidden] (already normed) -> [T, hidden] attention output."""
         t, dims = h.shape[0], self.dims
-        q = self.q_proj(h).view(t, dims.num_heads, dims.head_dim)       # [T, H, d]
-        k = self.k_proj(h).view(t, dims.num_kv_heads, dims.head_dim)    # [T, Hkv, d]
-        v = self.v_proj(h).view(t, dims.num_kv_heads, dims.head_dim)    # [T, Hkv, d]
-        if self.q_norm is not None:   # per-head RMSNorm after projection, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            c = self.clip_qkv
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        o = attn(layer, rope(q, positions), rope(k, positions), v)      # [T, H, d]
-        return self.o_proj(o.reshape(t, -1))
+        heads, kv_heads = dims.num_heads, dims.num_kv_heads
+        qkv = self.qkv(h).view(t, heads + 2 * kv_heads, dims.head_dim)
+        if self.q_norm is None and self.clip_qkv is None:
+            q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
+        else:
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            if self.q_norm is not None:   # per-head RMSNorm after projection, before RoPE
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                c = self.clip_qkv
+                q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+            q, k = rot(q), rot(k)
+        return self.o_proj(attn(layer, q, k, v).reshape(t, -1))           # attn: [T, H, d]
 
 
 class DecoderLayer(nn.Module):
@@ -125,10 +255,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.shared_expert = shared_expert
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
-                rope: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, rot: Rotation,
+                attn: AttentionFn) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), layer, positions, rope, attn)
+        x = x + self.self_attn(self.input_layernorm(x), layer, rot, attn)
         h = self.post_attention_layernorm(x)
         out = self.mlp(h)
         if self.shared_expert is not None:
@@ -145,11 +275,10 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(dims.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionFn) -> torch.Tensor:
-        """x: [T, hidden] input embeddings, positions: [T] -> [T, hidden] final hidden states."""
+    def forward(self, x: torch.Tensor, rot: Rotation, attn: AttentionFn) -> torch.Tensor:
+        """x: [T, hidden] input embeddings rotated by `rot` -> [T, hidden] final hidden states."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, positions, rope, attn)
+            x = layer(x, i, rot, attn)
         return self.norm(x)
 
 
@@ -172,7 +301,7 @@ class StackedLM(nn.Module, ABC):
     def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                        attn: AttentionFn) -> torch.Tensor:
         """[T, hidden] at positions [T] -> [T, hidden] final hidden states."""
-        return self.model(inputs_embeds, positions, self.rope, attn)
+        return self.model(inputs_embeds, self.rope.at(positions), attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] raw (unshifted) logits."""

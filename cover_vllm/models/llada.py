@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.models.base import AttentionFn, ModelDims, key_padding_forward
-from cover_vllm.models.layers import RMSNorm, RotaryEmbedding
+from cover_vllm.models.layers import (FusedLinears, RMSNorm, RotaryEmbedding, Rotation,
+                                      rotate_qk, swiglu)
 from cover_vllm.models.spec import ModelSpec
 
 
@@ -46,17 +47,20 @@ class LLaDABlock(nn.Module):
         self.ff_proj = nn.Linear(d, mlp, bias=bias)   # gate (SiLU applied here)
         self.up_proj = nn.Linear(d, mlp, bias=bias)
         self.ff_out = nn.Linear(mlp, d, bias=bias)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_up = FusedLinears(self.ff_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
-                rope: RotaryEmbedding, attn: AttentionFn) -> torch.Tensor:
+    def fused_groups(self) -> list[FusedLinears]:
+        return [self.qkv, self.gate_up]
+
+    def forward(self, x: torch.Tensor, layer: int, rot: Rotation,
+                attn: AttentionFn) -> torch.Tensor:
         t, dims = x.shape[0], self.dims
-        h = self.attn_norm(x)
-        q = rope(self.q_proj(h).view(t, dims.num_heads, dims.head_dim), positions)
-        k = rope(self.k_proj(h).view(t, dims.num_kv_heads, dims.head_dim), positions)
-        v = self.v_proj(h).view(t, dims.num_kv_heads, dims.head_dim)
+        heads, kv_heads = dims.num_heads, dims.num_kv_heads
+        qkv = self.qkv(self.attn_norm(x)).view(t, heads + 2 * kv_heads, dims.head_dim)
+        q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
         x = x + self.attn_out(attn(layer, q, k, v).reshape(t, -1))
-        h = self.ff_norm(x)
-        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x + self.ff_out(swiglu(self.gate_up(self.ff_norm(x))))
 
 
 class LLaDAModelLM(nn.Module):
@@ -83,9 +87,9 @@ class LLaDAModelLM(nn.Module):
 
     def forward_tokens(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                        attn: AttentionFn) -> torch.Tensor:
-        x = inputs_embeds
+        x, rot = inputs_embeds, self.rope.at(positions)
         for i, block in enumerate(self.model.transformer.blocks):
-            x = block(x, i, positions, self.rope, attn)
+            x = block(x, i, rot, attn)
         return self.model.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

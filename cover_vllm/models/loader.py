@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from cover_vllm.config import LOAD_FORMATS
+from cover_vllm.models.layers import fuse_projections
 from cover_vllm.models.safetensors_io import Slice
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.weights import CheckpointWeights, DummyWeights, WeightSource
@@ -60,8 +61,11 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32,
 
 def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
     """Give a meta model uninitialised storage on `device` (pages are committed only when the
-    weights are written) and rebuild its non-persistent buffers (`reset_buffers` hooks)."""
+    weights are written), fuse its projections (`fuse_projections`: weights that run as one GEMM
+    share one tensor, which loading then fills in place) and rebuild its non-persistent buffers
+    (`reset_buffers` hooks)."""
     model.to_empty(device=device)
+    fuse_projections(model, copy=False)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):

@@ -26,8 +26,9 @@ from cover_vllm.strategies.sampling import token_prob, topk_mask
 def _candidate_confidence(batch: StepBatch,
                           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, logits = propose(batch)
-    conf = token_prob(logits, tokens, dtype)
-    return tokens, conf.masked_fill(~batch.candidates, float("-inf"))
+    candidates = batch.candidates
+    conf = token_prob(logits, tokens, dtype, rows=candidates)
+    return tokens, conf.masked_fill(~candidates, float("-inf"))
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,13 @@ class LowConfidence(Strategy):
 
     def confidence(self, batch: StepBatch, tokens: torch.Tensor,
                    logits: torch.Tensor) -> torch.Tensor:
-        return token_prob(logits, tokens, torch.float32)
+        return token_prob(logits, tokens, torch.float32, rows=batch.candidates)
 
     def decide(self, batch: StepBatch) -> Decision:
         tokens, logits = propose(batch)
+        candidates = batch.candidates
         conf = self.confidence(batch, tokens, logits).to(torch.float64)
-        conf = conf.masked_fill(~batch.candidates, float("-inf"))
+        conf = conf.masked_fill(~candidates, float("-inf"))
         return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
 
 

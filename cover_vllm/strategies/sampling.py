@@ -50,9 +50,18 @@ def sample_candidates(logits: torch.Tensor, temperature: torch.Tensor,
 
 
 def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """softmax(logits)[tokens] computed in `dtype`: [n, W, V], [n, W] -> [n, W]."""
-    return torch.softmax(logits.to(dtype), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+               dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(logits)[tokens] computed in `dtype`: [n, W, V], [n, W] -> [n, W].
+
+    With `rows` ([n, W] bool) only those rows are computed (0 elsewhere): a full-vocabulary
+    softmax is the costliest part of a decision, and a row's value never depends on the others.
+    """
+    if rows is None:
+        return torch.softmax(logits.to(dtype), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    out = torch.zeros(tokens.shape, dtype=dtype)
+    picked = torch.softmax(logits[rows].to(dtype), dim=-1)                  # [N, V]
+    out[rows] = picked.gather(-1, tokens[rows][:, None]).squeeze(-1)
+    return out
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from cover_vllm.models.loader import (build_model, load_into, materialize, resol
                                       weight_source)
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.worker.allocator import keep_activations_on_heap
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.memory import peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -53,6 +54,8 @@ class Worker:
             tp.shard(model)                                     # model.dims: local heads now
         materialize(model, device)                              # this rank's shard only
         load_into(model, source, slices)
+        if torch.device(device).type == "cpu":
+            keep_activations_on_heap()                          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)
         num_pages = max(1, budget // (per_token * config.page_size))
