@@ -7,7 +7,7 @@ import pytest
 from cover_vllm.entrypoints.cli import main
 from cover_vllm.strategies import strategy_class
 
-RESULT_KEYS = {"decoding", "kv_cache", "batch_size", "tokens_per_s", "requests_per_s",
+RESULT_KEYS = {"dtype", "decoding", "kv_cache", "batch_size", "tokens_per_s", "requests_per_s",
                "nfe_per_token", "speedup_vs_reference", "overhead_fraction", "mfu", "accuracy",
                "tokens_per_step", "latency_mean_s", "latency_p50_s", "latency_p99_s", "remasks",
                "flip_flops", "peak_kv_pages", "gflops_per_token", "flop_ratio_vs_reference"}
@@ -19,17 +19,23 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
                  "--decoding", "low_confidence,cover", "--kv-cache", "none,dual",
                  "--batch-size", "2", "--num-prompts", "4", "--reference-prompts", "1",
                  "--threads", "1", "--json", str(paths["json"]), "--markdown", str(paths["md"]),
-                 "--plot", str(paths["png"])])
+                 "--plot", str(paths["png"]), "--dtype", "float32,bfloat16"])
     assert code == 0
     report = json.loads(paths["json"].read_text())
-    assert report["machine"]["cores"] >= 1 and report["machine"]["matmul_gflops"] > 0
-    ref = report["reference"]
-    assert ref["tokens_per_s"] > 0 and ref["gflops_per_token"] > 0 and 0 < ref["mfu"] < 2
+    peaks = report["machine"]["matmul_gflops"]
+    assert report["machine"]["cores"] >= 1 and set(peaks) == {"float32", "bfloat16"}
+    assert all(rate > 0 for rate in peaks.values())
+    for dtype, ref in report["reference"].items():
+        assert ref["dtype"] == dtype and ref["tokens_per_s"] > 0 and ref["gflops_per_token"] > 0
+        assert 0 < ref["mfu"] < 2
     rows = report["results"]
-    assert [(r["decoding"], r["kv_cache"]) for r in rows] == [
-        ("low_confidence", "none"), ("low_confidence", "dual"), ("cover", "none"),
-        ("cover", "dual")]
+    assert [(r["dtype"], r["decoding"], r["kv_cache"]) for r in rows] == [
+        (dtype, decoding, kv) for dtype in ("float32", "bfloat16")
+        for decoding in ("low_confidence", "cover") for kv in ("none", "dual")]
     for r in rows:
+        # MFU divides the row's FLOP rate by the peak measured in the row's own dtype
+        assert r["mfu"] == pytest.approx(
+            r["gflops_per_token"] * r["tokens_per_s"] / peaks[r["dtype"]], rel=1e-6)
         assert RESULT_KEYS <= set(r)
         assert r["batch_size"] == 2 and r["tokens_per_s"] > 0 and 0 <= r["accuracy"] <= 1
         assert 0 <= r["overhead_fraction"] < 1 and r["mfu"] > 0

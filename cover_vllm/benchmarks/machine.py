@@ -11,14 +11,23 @@ from cover_vllm.flops import FlopModel
 from cover_vllm.models.base import ModelDims
 
 
-def measure_matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
-    """Sustained fp32 GEMM rate with the current torch thread count (the MFU denominator)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
+PEAK_GEMM_SIZE = 2048     # the square GEMM whose rate is the MFU denominator
+
+
+def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = PEAK_GEMM_SIZE,
+                          seconds: float = 0.5) -> float:
+    """Sustained rate of a size³ GEMM in `dtype` with the current torch thread count (the MFU
+    denominator of rows in that dtype): the best of repeated timings over about `seconds`."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b                                                  # warm-up (and oneDNN's plan)
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        start = time.perf_counter()
         a @ b
-    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return 2 * size ** 3 / best / 1e9
 
 
 def pin_threads(model: str, requested: int | None) -> int:
@@ -33,9 +42,19 @@ def pin_threads(model: str, requested: int | None) -> int:
     return apply_num_threads(requested, spec.hidden_size)
 
 
-def machine_info() -> dict:
+def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> dict:
+    """Cores, threads, torch version and the peak GEMM rate (GFLOP/s) in fp32 and in every
+    dtype of `dtypes`, keyed by dtype name."""
+    peaks = {}
+    for dtype in dict.fromkeys((torch.float32, *dtypes)):
+        peaks[dtype_name(dtype)] = round(measure_matmul_gflops(dtype), 1)
     return {"cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "matmul_gflops": round(measure_matmul_gflops(), 1)}
+            "torch": torch.__version__, "matmul_gflops": peaks}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def matmul_params_per_token(model: torch.nn.Module, dims: ModelDims) -> int:

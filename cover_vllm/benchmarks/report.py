@@ -3,7 +3,11 @@ model FLOPs per token, NFE/token)."""
 
 from __future__ import annotations
 
-COLUMNS = [("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("cache_refresh", "{}"),
+from cover_vllm.benchmarks.machine import PEAK_GEMM_SIZE
+
+PEAK_GEMM = f"{PEAK_GEMM_SIZE}³ GEMM"
+
+COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("cache_refresh", "{}"),
            ("num_prompts", "{}"),
            ("tokens_per_s", "{:.1f}"), ("speedup_vs_reference", "{:.2f}x"),
            ("requests_per_s", "{:.2f}"), ("accuracy", "{:.1%}"), ("nfe_per_token", "{:.3f}"),
@@ -26,18 +30,21 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_markdown(report: dict, command: str) -> str:
-    m, ref = report["machine"], report["reference"]
-    ref_line = ("reference loop (dense, no cache, batch 1, 1 token/step): "
-                f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s), "
-                f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%} "
-                "(`flop_ratio_vs_reference` is the speed-up a row would show at the reference's "
-                "MFU)"
-                if ref else "reference loop: not run")
+    m = report["machine"]
+    peaks = ", ".join(f"{name} {rate} GFLOP/s" for name, rate in m["matmul_gflops"].items())
+    refs = [(name, ref) for name, ref in report["reference"].items() if ref]
+    ref_lines = [f"reference loop ({name}; dense, no cache, batch 1, 1 token/step): "
+                 f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s), "
+                 f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%}"
+                 for name, ref in refs] or ["reference loop: not run"]
+    if refs:
+        ref_lines.append("(`flop_ratio_vs_reference` is the speed-up a row would show at the "
+                         "reference's MFU; MFU is against the peak of the row's dtype)")
     return "\n".join([
         f"# cover-vllm bench throughput: {report['model']}", "",
         f"`{command}`", "",
         f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
-        f"measured fp32 matmul {m['matmul_gflops']} GFLOP/s", "", ref_line, "",
+        f"measured peak {PEAK_GEMM}: {peaks}", "", "  \n".join(ref_lines), "",
         format_table(report["results"]), ""])
 
 

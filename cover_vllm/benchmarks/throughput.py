@@ -4,8 +4,10 @@ in one run (refresh policies apply to the prefix/dual rows; `none` runs once).
 Prompts are random token ids (every request decodes exactly --output-len slots, ignore_eos) or a
 task's held-out split (--task: accuracy from the task's verifier; tokens counted up to EOS).
 Each combination gets a warm-up first. A separately written dense loop (reference_decode: no
-cache, batch 1, one token per step) runs on the same weights and prompts in the same process,
-so every row has a ×-vs-reference ratio measured side by side. Compare ratios within one run.
+cache, batch 1, one token per step) runs on the same weights, dtype and prompts in the same
+process, so every row has a ×-vs-reference ratio measured side by side. MFU divides by the peak
+GEMM rate measured in the row's own dtype (a bf16 row against the bf16 peak). Compare ratios
+within one run.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from cover_vllm.benchmarks.machine import (dense_forward_flops, machine_info,
+from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name, machine_info,
                                             matmul_params_per_token, pin_threads,
                                             step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.loader import resolve_dtype
+from cover_vllm.models.spec import ModelSpec
 from cover_vllm.reference_decode import reference_generate
 from cover_vllm.sampling_params import SamplingParams
 
@@ -42,10 +46,12 @@ class ThroughputSpec:
     task: str | None = None
     reference_prompts: int = 1         # requests timed through the reference loop (0: skip)
     decoding_params: tuple = ()        # ((strategy, {params}), ...)
+    dtypes: tuple[str, ...] = ("auto",)   # weights and activations: each is a set of rows
 
 
 @dataclass
 class ThroughputRow:
+    dtype: str
     decoding: str
     kv_cache: str
     cache_refresh: str                 # "-" for kv_cache="none" (every step is a refresh)
@@ -63,7 +69,7 @@ class ThroughputRow:
     flip_flops: float
     peak_kv_pages: int
     overhead_fraction: float           # share of step time outside the model forward
-    mfu: float                         # model FLOPs / time / measured matmul peak
+    mfu: float                         # model FLOPs / time / measured matmul peak in `dtype`
     speedup_vs_reference: float | None
     seconds: float
     gflops_per_token: float            # model FLOPs spent per useful token
@@ -138,7 +144,8 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float) -> d
     flops = sum(work.output_len * dense_forward_flops(model.dims, per_token,
                                                       len(ids) + work.output_len)
                 for ids in prompts)             # one full forward per step, output_len steps
-    return {"tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
+    return {"dtype": dtype_name(next(model.parameters()).dtype),
+            "tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
             "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
             "mfu": flops / seconds / (peak_gflops * 1e9)}
 
@@ -161,52 +168,64 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams):
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     threads = pin_threads(spec.model, spec.threads)
-    machine = machine_info()
-    load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    report = {"machine": machine, "model": spec.model, "reference": None, "results": []}
-    for bs in spec.batch_sizes:
-        llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
-                  max_num_seqs=bs, load_format=load_format, seed=spec.seed,
-                  num_threads=threads)
-        work = Workload(spec, llm, spec.num_prompts or 2 * bs)
-        if report["reference"] is None and spec.reference_prompts:
-            report["reference"] = run_reference(llm, work, spec.reference_prompts,
-                                                machine["matmul_gflops"])
-            if report["reference"]:
-                log(f"  reference loop: {report['reference']['tokens_per_s']:.1f} tok/s  "
-                    f"MFU {report['reference']['mfu']:.0%}")
-        ref = (report["reference"] or {}).get("tokens_per_s")
-        ref_gflops = (report["reference"] or {}).get("gflops_per_token")
-        caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
-                  for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
-        for decoding in spec.decodings:
-            for kv, refresh in caches:
-                outs, seconds, overhead, flops = _measure(
-                    llm, work, work.params(spec, decoding, (kv, refresh)))
-                ms = [o.metrics for o in outs]
-                tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
-                mfu = flops / seconds / (machine["matmul_gflops"] * 1e9)
-                gflops = flops / max(tokens, 1) / 1e9
-                lat = [m.latency_s for m in ms]
-                row = ThroughputRow(
-                    decoding=decoding, kv_cache=kv, cache_refresh=refresh, batch_size=bs,
-                    num_prompts=len(outs),
-                    tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
-                    nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
-                    tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
-                    latency_mean_s=statistics.mean(lat), latency_p50_s=_percentile(lat, 0.5),
-                    latency_p99_s=_percentile(lat, 0.99), accuracy=work.accuracy(outs),
-                    remasks=statistics.mean(m.remasks for m in ms),
-                    flip_flops=statistics.mean(m.flip_flops for m in ms),
-                    peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
-                    mfu=mfu, speedup_vs_reference=(tokens / seconds / ref) if ref else None,
-                    seconds=seconds, gflops_per_token=gflops,
-                    flop_ratio_vs_reference=(ref_gflops / gflops) if ref_gflops else None,
-                    refreshes=statistics.mean(m.refreshes for m in ms),
-                    flops_per_token=flops_per_token(ms))
-                report["results"].append(asdict(row))
-                log(f"  {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-                    f"{row.tokens_per_s:8.1f} tok/s  refreshes {row.refreshes:.2f}  "
-                    f"NFE/token {row.nfe_per_token:.3f}  overhead {overhead:.0%}  "
-                    f"({seconds:.1f}s)")
+    resolved = resolve_model(spec.model)
+    model_spec = ModelSpec.from_config(resolved.config)
+    dtypes = [resolve_dtype(d, model_spec) for d in dict.fromkeys(spec.dtypes)]
+    machine = machine_info(tuple(dtypes))
+    load_format = "dummy" if resolved.path is None else "auto"
+    report = {"machine": machine, "model": spec.model, "reference": {}, "results": []}
+    for dtype in dtypes:
+        name = dtype_name(dtype)
+        peak = machine["matmul_gflops"][name]
+        for bs in spec.batch_sizes:
+            llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
+                      max_num_seqs=bs, load_format=load_format, seed=spec.seed,
+                      num_threads=threads, dtype=name)
+            work = Workload(spec, llm, spec.num_prompts or 2 * bs)
+            if name not in report["reference"] and spec.reference_prompts:
+                ref = run_reference(llm, work, spec.reference_prompts, peak)
+                report["reference"][name] = ref
+                if ref:
+                    log(f"  reference loop ({name}): {ref['tokens_per_s']:.1f} tok/s  "
+                        f"MFU {ref['mfu']:.0%}")
+            _run_batch(spec, llm, work, name, peak, report, log)
     return report
+
+
+def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak: float,
+               report: dict, log) -> None:
+    """Every (decoding, cache, refresh) row of one engine (one dtype and batch size)."""
+    bs = llm.engine.config.max_num_seqs
+    ref = report["reference"].get(dtype) or {}
+    caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
+              for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
+    for decoding in spec.decodings:
+        for kv, refresh in caches:
+            outs, seconds, overhead, flops = _measure(
+                llm, work, work.params(spec, decoding, (kv, refresh)))
+            ms = [o.metrics for o in outs]
+            tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
+            gflops = flops / max(tokens, 1) / 1e9
+            lat = [m.latency_s for m in ms]
+            row = ThroughputRow(
+                dtype=dtype, decoding=decoding, kv_cache=kv, cache_refresh=refresh,
+                batch_size=bs, num_prompts=len(outs),
+                tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
+                nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
+                tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
+                latency_mean_s=statistics.mean(lat), latency_p50_s=_percentile(lat, 0.5),
+                latency_p99_s=_percentile(lat, 0.99), accuracy=work.accuracy(outs),
+                remasks=statistics.mean(m.remasks for m in ms),
+                flip_flops=statistics.mean(m.flip_flops for m in ms),
+                peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
+                mfu=flops / seconds / (peak * 1e9),
+                speedup_vs_reference=(tokens / seconds / ref["tokens_per_s"]) if ref else None,
+                seconds=seconds, gflops_per_token=gflops,
+                flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
+                refreshes=statistics.mean(m.refreshes for m in ms),
+                flops_per_token=flops_per_token(ms))
+            report["results"].append(asdict(row))
+            log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
+                f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%}  refreshes "
+                f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
+                f"{overhead:.0%}  ({seconds:.1f}s)")

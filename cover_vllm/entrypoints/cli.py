@@ -35,6 +35,15 @@ def _positive_ints(value: str) -> tuple[int, ...]:
     return tuple(_positive_int(v) for v in _csv(value))
 
 
+def _dtypes(value: str) -> tuple[str, ...]:
+    names = _csv(value)
+    allowed = DTYPES
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}; choose from {', '.join(allowed)}")
+    return names
+
+
 def _json_obj(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -136,7 +145,8 @@ def _bench_spec(args: argparse.Namespace):
                           block_length=args.block_length, steps=args.steps, threads=args.threads,
                           seed=args.seed, task=args.task,
                           reference_prompts=getattr(args, "reference_prompts", 0),
-                          decoding_params=tuple(params.items()))
+                          decoding_params=tuple(params.items()),
+                          dtypes=getattr(args, "dtype", ("auto",)))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -338,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes, comma-separated")
     t.add_argument("--num-prompts", type=_positive_int, default=None,
                    help="default: 2 x batch size")
+    t.add_argument("--dtype", type=_dtypes, default=("auto",),
+                   help="weights and activations, comma-separated to compare (auto: the "
+                        "checkpoint's torch_dtype); MFU is against the peak in each dtype")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
     t.add_argument("--markdown", default=None, help="write a markdown report here")

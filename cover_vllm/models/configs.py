@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 # A LLaDA-architecture config of about 50 M parameters (system benchmarks need no download).
+# bf16 like the full-size models (dtype="auto" falls back to fp32 on a CPU without bf16).
 LLADA_50M: dict[str, Any] = {
     "model_type": "llada", "d_model": 512, "n_layers": 10, "n_heads": 8, "n_kv_heads": 8,
     "mlp_hidden_size": 1536, "vocab_size": 16384, "embedding_size": 16384,
     "mask_token_id": 16383, "eos_token_id": 16382, "pad_token_id": 16382,
     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_sequence_length": 4096,
-    "include_bias": False, "weight_tying": False, "torch_dtype": "float32",
+    "include_bias": False, "weight_tying": False, "torch_dtype": "bfloat16",
 }
 
 # A LLaDA-architecture config of 0.30 B parameters (1.2 GB in fp32): the "few hundred million"
 # size of the scale tests (fp32 TP=2 == TP=1 on a written checkpoint, peak-memory checks).
 LLADA_300M: dict[str, Any] = {
-    **LLADA_50M, "d_model": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16,
+    **LLADA_50M, "torch_dtype": "float32", "d_model": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 16,
     "mlp_hidden_size": 3584, "vocab_size": 32768, "embedding_size": 32768,
     "mask_token_id": 32767, "eos_token_id": 32766, "pad_token_id": 32766,
 }

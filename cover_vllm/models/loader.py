@@ -10,6 +10,7 @@ the chunked dummy generator. Peak memory is the weights plus a 64 MiB staging bu
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -32,17 +33,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: str = "cpu") -> torch.dtype:
-    """'auto' takes config.json's torch_dtype (fp16 becomes fp32 on CPU, where it is slow)."""
+    """'auto' takes config.json's torch_dtype, except on a CPU where it would be slow: fp16
+    becomes fp32, and bf16 does too unless the CPU has bf16 arithmetic (`cpu_has_bf16`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         name = str(spec.hf_config.get("torch_dtype") or "float32")
-        if name == "float16" and device == "cpu":
+        on_cpu = torch.device(device).type == "cpu"
+        if on_cpu and (name == "float16" or (name == "bfloat16" and not cpu_has_bf16())):
             name = "float32"
         return DTYPES.get(name, torch.float32)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {['auto', *DTYPES]}")
     return DTYPES[dtype]
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16), read
+    from /proc/cpuinfo; without it bf16 GEMMs are emulated and slower than fp32."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32,
