@@ -26,11 +26,17 @@ from cover_vllm.strategies import BlockState, make_params, strategy_class
 PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
 
-def run_latency(spec: ThroughputSpec, repeats: int = 3, log=print) -> list[dict]:
+def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
+    """The engine a latency run times (random weights for a weightless built-in shape) and
+    its pinned thread count."""
     threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=spec.decodings[0], load_format=load_format, seed=spec.seed,
-              num_threads=threads)
+    return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
+               num_threads=threads, dtype=spec.dtype), threads
+
+
+def run_latency(spec: ThroughputSpec, repeats: int = 3, log=print) -> list[dict]:
+    llm, threads = _llm(spec, spec.decodings[0])
     work = Workload(spec, llm, max(repeats, 1))
     rows = []
     for kv in spec.kv_caches:
@@ -86,10 +92,7 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     strategy's work: its seed selection and its `decide` on the recorded logits (its per-request
     state restored before each replay) against `threshold`'s at the same draft threshold.
     """
-    threads = pin_threads(spec.model, spec.threads)
-    load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
-              num_threads=threads)
+    llm, threads = _llm(spec, decoding)
     work = Workload(spec, llm, max(repeats, 1))
     executor = llm.engine.executor
     rows = []

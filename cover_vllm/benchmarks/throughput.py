@@ -39,6 +39,7 @@ class ThroughputSpec:
     steps: int | None = None
     threads: int | None = None
     seed: int = 0
+    dtype: str = "auto"
     task: str | None = None
     reference_prompts: int = 1         # requests timed through the reference loop (0: skip)
     decoding_params: tuple = ()        # ((strategy, {params}), ...)
