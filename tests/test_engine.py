@@ -57,11 +57,11 @@ def test_cached_window_equals_full_forward_on_an_unchanged_canvas(llada_dir, dre
                                  decoding="low_confidence", kv_cache=mode))
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=24, block_length=8))
     req = engine.scheduler.waiting[0]
-    full = engine.scheduler.schedule()
+    full = engine.schedule()
     assert full.items[0].is_refresh and full.items[0].window_len == req.canvas_len
     logits_full = engine.executor.execute_model(full).logits[0]
     req.needs_refresh = False
-    part = engine.scheduler.schedule()
+    part = engine.schedule()
     item = part.items[0]
     assert not item.is_refresh and item.window_len < req.canvas_len
     logits_part = engine.executor.execute_model(part).logits[0]
@@ -76,7 +76,7 @@ def test_cache_modes_cut_forward_tokens(llada_dir):
     for mode, engine in engines.items():
         engine.add_request("a", list(range(10)), SamplingParams(max_tokens=32, block_length=8))
         engine.step()                      # the refresh
-        sizes[mode] = engine.scheduler.schedule().num_tokens
+        sizes[mode] = engine.schedule().num_tokens
     assert sizes == {"none": 42, "prefix": 32, "dual": 8}   # canvas 10 + 32; block 0 = 10..17
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.scheduler.output import EmbedEdit, ExtraRows
+from cover_vllm.step_plan import EmbedEdit, ExtraRows
 
 
 @dataclass(frozen=True)
