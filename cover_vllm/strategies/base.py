@@ -31,7 +31,8 @@ class BlockState:
 
     block_steps: int            # steps budgeted for the current block (fixed-schedule strategies)
     step: int = 0               # steps taken in the current block
-    extra: dict[str, Any] = field(default_factory=dict)   # strategy-owned memory
+    extra: Any = field(default_factory=dict)   # strategy-owned memory of the current block: a
+                                               # dict, or the strategy's dataclass (CoverState)
     memory: dict[str, Any] = field(default_factory=dict)  # strategy-owned, kept across blocks
 
 
