@@ -12,7 +12,7 @@ from cover_vllm import LLM, SamplingParams
 from cover_vllm.config import EngineConfig
 from conftest import LLADA_DIR
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # Ray actors: slow to start
 
 
 class ReplicaFailed(Exception):
