@@ -239,7 +239,7 @@ def test_mask_is_never_proposed_even_when_it_is_the_argmax(llada_dir, decoding):
 
 
 def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
-    from cover_vllm.engine.dp_replica import EngineReplica
+    from cover_vllm.entrypoints.server.dp_replica import EngineReplica
 
     replica = EngineReplica(EngineConfig(model=llada_dir, decoding="low_confidence"), 0)
     try:
