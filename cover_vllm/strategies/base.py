@@ -31,8 +31,9 @@ class BlockState:
 
     block_steps: int            # steps budgeted for the current block (fixed-schedule strategies)
     step: int = 0               # steps taken in the current block
-    extra: Any = field(default_factory=dict)   # strategy-owned memory of the current block: a
-                                               # dict, or the strategy's dataclass (CoverState)
+    extra: Any = field(default_factory=dict)   # strategy-owned state of the current block, set
+                                               # by `start_block`: the strategy's dataclass
+                                               # (CoverState, ScheduleState, ...; ASRD: a dict)
     memory: dict[str, Any] = field(default_factory=dict)  # strategy-owned, kept across blocks
 
 
