@@ -161,8 +161,8 @@ class Engine:
         out = self.schedule()
         if not out.items:
             return []
-        self._notify("on_schedule", out)
         clock.lap("schedule")
+        self._notify("on_schedule", out)
         result = self.executor.execute_model(out)
         clock.lap("forward")
         self._account(out, result)

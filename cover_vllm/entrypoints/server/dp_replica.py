@@ -46,13 +46,14 @@ class EngineReplica:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Raises what Engine.add_request raises (ValueError / TypeError for bad input), or
-        RuntimeError once the engine is dead."""
-        if self._fatal() is not None:
-            raise RuntimeError(self._fatal())
+        EngineRequestError / RuntimeError once the engine is dead or the replica stopped."""
         done, refusal = threading.Event(), []
         self.driver.add(Submission(request_id, list(prompt_token_ids), params),
                         lambda error: (refusal.append(error), done.set()))
-        done.wait()
+        while not done.wait(1.0):
+            problem = self.driver.health()
+            if problem is not None and not done.is_set():
+                raise RuntimeError(f"replica {self.index}: {problem}")
         if refusal[0] is not None:
             raise refusal[0]
 
