@@ -270,6 +270,40 @@ def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
         replica.shutdown()
 
 
+def test_replica_fails_only_the_request_its_steps_fail_on(llada_dir):
+    """A DP replica follows the server's failure rule (engine/driver.py): the failed batch is
+    replayed in halves and only the request that fails alone gets the error."""
+    from cover_vllm.entrypoints.server.dp_replica import EngineReplica
+
+    replica = EngineReplica(EngineConfig(model=llada_dir, decoding="low_confidence"), 0)
+    real = replica.engine.executor.execute_model
+
+    def execute(out):
+        if any(item.request_id == "poisoned" for item in out.items):
+            raise RuntimeError("injected fault")
+        return real(out)
+
+    replica.engine.executor.execute_model = execute
+    params = SamplingParams(max_tokens=8, block_length=8, ignore_eos=True)
+    try:
+        replica.limit_steps(0)                       # all three join the same first batch
+        for rid in ("a", "poisoned", "b"):
+            replica.add_request(rid, [5, 6, 7], params)
+        replica.limit_steps(None)
+        final, handled, deadline = {}, 0, time.monotonic() + 30
+        while len(final) < 3:
+            assert time.monotonic() < deadline, f"only {sorted(final)} ended"
+            for number, rid, item in replica.poll(1.0, handled)[0]:
+                handled = number
+                if isinstance(item, str) or item.finished:
+                    final[rid] = item
+        assert "injected fault" in final["poisoned"]
+        assert all(len(final[r].outputs[0].token_ids) == 8 for r in ("a", "b"))
+        assert replica.driver.num_failed_steps >= 1 and replica.stats()["fatal"] is None
+    finally:
+        replica.shutdown()
+
+
 def test_steps_beyond_max_tokens_are_fine_where_they_size_a_time_grid(dream_dir):
     out = LLM(dream_dir, decoding="saber").generate(
         {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, steps=512), use_tqdm=False)
