@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 
@@ -14,26 +14,55 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
 
 
+def option(default, help: str, *, kind: str = "str", choices: tuple | None = None,
+           flags: tuple[str, ...] = ()):
+    """An EngineConfig field with what its command-line flag needs: `kind` names the value
+    parser (str, int, positive_int, float, positive_float), `flags` replaces the default flag
+    `--field-name`. LLM(...) kwargs and every `cover-vllm` flag come from these fields."""
+    return field(default=default,
+                 metadata={"help": help, "kind": kind, "choices": choices, "flags": flags})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every engine option, defined once (cover_vllm/entrypoints/engine_flags.py turns them
+    into command-line flags; LLM(**kwargs) checks its keywords against them)."""
+
     model: str
-    decoding: str = "cover"
-    kv_cache: str = "dual"
-    dtype: str = "auto"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    max_num_seqs: int = 64
-    kv_cache_memory_bytes: int | None = None
-    memory_utilization: float = 0.9     # share of host (CPU) / device memory for weights + KV
-    load_format: str = "auto"
-    page_size: int = 16                 # tokens per KV page
-    attention_backend: str = "sdpa"     # "sdpa" | "reference"
-    cache_refresh: str | CacheRefresh = "block"   # "block" | "interval:N" | "adaptive"
+    decoding: str = option("cover", "default decoding strategy (per request: decoding)")
+    kv_cache: str = option("dual", "KV reuse between refreshes: none is exact",
+                           choices=KV_CACHE_MODES)
+    dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype)",
+                        choices=DTYPES)
+    seed: int = option(0, "engine seed", kind="int")
+    tensor_parallel_size: int = option(1, "shard the model over N worker processes",
+                                       kind="positive_int",
+                                       flags=("--tensor-parallel-size", "-tp"))
+    distributed_executor_backend: str | None = option(
+        None, "how tensor-parallel workers run (default: mp)",
+        choices=tuple(b for b in EXECUTOR_BACKENDS if b is not None))
+    max_num_seqs: int = option(64, "requests decoded together", kind="positive_int")
+    kv_cache_memory_bytes: int | None = option(
+        None, "explicit KV pool size (default: sized from --memory-utilization)",
+        kind="positive_int")
+    memory_utilization: float = option(
+        0.9, "share of host (CPU) or device memory for weights + KV cache", kind="float")
+    load_format: str = option("auto", "dummy: random weights (the only choice for weightless "
+                              "built-in shapes)", choices=LOAD_FORMATS)
+    page_size: int = option(16, "tokens per KV page", kind="positive_int")
+    attention_backend: str = option("sdpa", "attention: sdpa (fast) or reference (the "
+                                    "slow oracle)")
+    cache_refresh: str | CacheRefresh = option(
+        "block", "when prefix/dual recompute cached K/V: block, interval:N or adaptive "
+        "(per request: cache_refresh)")
     cache_refresh_interval: int | None = None   # deprecated alias: N == cache_refresh="interval:N"
-    num_threads: int | None = None      # torch intra-op threads (None: torch's default)
-    device: str = "cpu"
-    distributed_timeout_s: float = 60.0   # tensor parallelism: max wait on a collective / reply
+    num_threads: int | None = option(
+        None, "torch intra-op threads (default: 1 for a tiny model, else the cores not busy "
+        "with other jobs)", kind="positive_int", flags=("--threads",))
+    device: str = option("cpu", "torch device of the model")
+    distributed_timeout_s: float = option(
+        60.0, "tensor parallelism: max wait on a collective or a worker's reply (seconds)",
+        kind="positive_float")
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -85,6 +114,16 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         return min(_DEFAULT_KV_BYTES, self.max_num_seqs * max_model_len * bytes_per_token)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "EngineConfig":
+        """The config for `model` with keyword options (LLM(...), the server), an unknown
+        keyword named with the valid ones."""
+        valid = {f.name for f in fields(cls)} - {"model"}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(valid)}")
+        return cls(model=str(model), **options)
 
     def with_overrides(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

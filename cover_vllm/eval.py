@@ -57,7 +57,7 @@ class EvalSpec:
     decoding_params: tuple = ()        # ((name, {params}), ...)
     use_tqdm: bool = True
     threads: int | None = None         # torch intra-op threads (None: the engine's default)
-    dtype: str = "auto"                # weights and activations (auto: the checkpoint's)
+    dtype: str = "auto"                # EngineConfig.dtype
 
 
 @dataclass(frozen=True)

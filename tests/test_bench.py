@@ -1,9 +1,16 @@
 """`cover-vllm bench`: one command writes the table, the documented JSON, markdown and a PNG."""
 
+import dataclasses
 import json
+import statistics
+import time
 
 import pytest
 
+from cover_vllm import LLM
+from cover_vllm.benchmarks.latency import run_latency, run_verification_cost
+from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
+from cover_vllm.engine.observer import StepObserver
 from cover_vllm.entrypoints.cli import main
 from cover_vllm.strategies import strategy_class
 
@@ -87,3 +94,70 @@ def test_bench_rejects_unknown_names(capsys):
     assert "decoding" in capsys.readouterr().err
     assert main(["bench", "throughput", "--model", "cover-tiny", "--kv-cache", "full"]) == 2
     assert "kv_cache" in capsys.readouterr().err
+
+
+class _Outs(StepObserver):
+    """The test's own recording: every step's SchedulerOutput."""
+
+    def __init__(self):
+        self.outs = []
+
+    def on_schedule(self, out):
+        self.outs.append(out)
+
+
+def _mean_forward_s(execute, outs, rounds: int = 3) -> float:
+    times = []
+    for _ in range(rounds):
+        for out in outs:
+            start = time.perf_counter()
+            execute(out)
+            times.append(time.perf_counter() - start)
+    return statistics.mean(times)
+
+
+def test_verification_cost_agrees_with_an_independent_measurement():
+    """`run_verification_cost`'s step count, seeds per step and forward ratio against the
+    test's own recording of the same requests and its own timing of those forwards (with and
+    without the seeds' override pairs)."""
+    spec = ThroughputSpec(model="cover-tiny", decodings=("cover",), kv_caches=("dual",),
+                          task="sudoku4", threads=1)
+    (row,) = run_verification_cost(spec, repeats=2, replays=3)
+    llm = LLM("cover-tiny", decoding="cover", num_threads=1)
+    work = Workload(spec, llm, 2)
+    params = work.params(spec, "cover", ("dual", "block"))
+    seen = _Outs()
+    llm.engine.add_observer(seen)
+    for prompt in work.prompts[:2]:
+        llm.generate([prompt], params, use_tqdm=False)
+    window = [o for o in seen.outs if any(i.override for i in o.items)
+              and not any(i.is_refresh for i in o.items)]
+    assert row["steps"] == len(window) > 0
+    assert row["seeds_per_step"] == pytest.approx(
+        statistics.mean(sum(len(i.override) for i in o.items) for o in window))
+    plain = [dataclasses.replace(o, items=[dataclasses.replace(i, override=[], want_stats=False)
+                                           for i in o.items]) for o in window]
+    execute = llm.engine.executor.execute_model
+    ratio = _mean_forward_s(execute, window) / _mean_forward_s(execute, plain)
+    assert 0.5 < row["ratio"] / ratio < 2.0           # timings: the same cost within noise
+
+
+def test_latency_phases_add_up_to_the_wall_clock():
+    """The phases `run_latency` reports for a request sum to at most the request's wall-clock
+    time measured around `generate`, and to most of it (the rest is outside the engine step)."""
+    spec = ThroughputSpec(model="cover-tiny", decodings=("threshold",), kv_caches=("dual",),
+                          task="sudoku4", threads=1)
+    start = time.perf_counter()
+    (row,) = run_latency(spec, repeats=2)
+    wall_s = time.perf_counter() - start
+    # run_latency's own wall clock covers the load, a warm-up and the 2 timed requests
+    assert 0 < row["request_ms"] * 2 / 1e3 < wall_s
+    llm = LLM("cover-tiny", decoding="threshold", num_threads=1)
+    work = Workload(spec, llm, 2)
+    params = work.params(spec, "threshold", ("dual", "block"))
+    llm.generate(work.prompts[:1], params, use_tqdm=False)            # warm-up
+    start = time.perf_counter()
+    for prompt in work.prompts[:2]:
+        llm.generate([prompt], params, use_tqdm=False)
+    mine_ms = 1e3 * (time.perf_counter() - start) / 2
+    assert 0.33 < row["request_ms"] / mine_ms < 1.5

@@ -187,12 +187,12 @@ def test_sparse_window_equals_full_forward_on_an_unchanged_canvas(llada_dir, dre
     engine.step()                                      # block-start refresh: commits 4 tokens
     req = engine.scheduler.running[0]
     req.needs_refresh = True                           # a whole forward on the current canvas
-    full = engine.scheduler.schedule()
+    full = engine.schedule()
     assert full.items[0].is_refresh and full.items[0].window_positions is None
     logits_full = engine.executor.execute_model(full).logits[0]
-    engine.scheduler._note_written(req, full.items[0])
+    req.note_written(full.items[0])
     req.needs_refresh = False
-    part = engine.scheduler.schedule()
+    part = engine.schedule()
     item = part.items[0]
     start, end = req.block
     masked = req.canvas[start:end] == req.mask_id
@@ -210,7 +210,7 @@ def test_strategies_that_read_every_row_keep_whole_windows(llada_dir):
                                  cache_refresh="adaptive"))
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=16, block_length=8))
     engine.step()
-    item = engine.scheduler.schedule().items[0]
+    item = engine.schedule().items[0]
     assert item.window_positions is None
 
 
@@ -235,6 +235,6 @@ def test_a_refresh_is_one_item_of_a_mixed_batch(llada_dir):
                                                           cache_refresh="interval:1"))
     engine.add_request("block", [5, 6, 7], SamplingParams(max_tokens=16, block_length=8))
     engine.step()                                      # both start their block: refreshes
-    items = {i.request_id: i for i in engine.scheduler.schedule().items}
+    items = {i.request_id: i for i in engine.schedule().items}
     assert items["every"].is_refresh and items["every"].window_len == 3 + 16
     assert not items["block"].is_refresh and items["block"].window_len == 8

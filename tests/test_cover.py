@@ -2,7 +2,6 @@
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.request import Request
 from cover_vllm.strategies import make_params, strategy_class
 from cover_vllm.strategies.base import BlockState, StepBatch
+from cover_vllm.strategies.cover import CoverMemory
 
 
 def _prompts(n, seed=0):
@@ -169,12 +169,12 @@ def test_one_revision_per_step_and_the_rest_deferred():
              _row(4, 0.99), _row(4, 0.99), _row(7, 0.5)]
     strategy, state = _cover(), BlockState(block_steps=6)
     strategy.start_block(state, 3)
-    state.extra["mem"] = np.zeros((6, 6))
-    state.extra["mem"][1] = [2.0, 2.0, 2.0, 0, 0, 0]        # CHECKS
+    state.extra.memory = CoverMemory.zeros(6)
+    state.extra.memory.checks[:] = [2.0, 2.0, 2.0, 0, 0, 0]
     d = _decide_one(tokens, seeds, probs, strategy=strategy, state=state)
     assert d.replace[0].tolist() == [False, True, False, False, False, False]
     assert _none(d.remask) and d.keeps.tolist() == [2]
-    checks = state.extra["mem"][1].tolist()
+    checks = state.extra.memory.checks.tolist()
     assert checks[0] == 3 and checks[2] == 0                    # kept seed counted, deferred not
 
 
@@ -186,8 +186,8 @@ def test_final_verification_waits_only_for_stale_judgements():
     strategy.start_block(state, 3)
     probs = [_row(1, 0.99), _row(2, 0.99), _row(4, 0.5)]
     _decide_one([9, 9, 9], [False] * 3, probs, strategy=strategy, state=state)
-    mem = state.extra["mem"]
-    mem[0] = 1.0                                                   # AGE: visible once
+    mem = state.extra.memory
+    mem.age[:] = 1.0                                               # visible once
     assert strategy.select_seeds(state, torch.tensor([1, 2, 9]), 0) == [0]   # k_min = 1
     d = _decide_one([1, 2, 9], [True, False, False], probs, strategy=strategy, state=state)
     assert d.commit[0].tolist() == [False, False, True] and d.keeps.tolist() == [1]
@@ -195,7 +195,7 @@ def test_final_verification_waits_only_for_stale_judgements():
     assert not strategy.block_done(state, 0)
     assert strategy._unverified(mem).tolist() == [True, True, False]
     # a check that keeps both, with nothing else changed, ends the block
-    mem[0] = 1.0
+    mem.age[:] = 1.0
     assert strategy.select_seeds(state, torch.tensor([1, 2, 4]), 0) == [0, 1]
     d = _decide_one([1, 2, 4], [True, True, False], probs, strategy=strategy, state=state)
     assert d.keeps.tolist() == [2] and strategy.block_done(state, 0)

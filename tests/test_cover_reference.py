@@ -18,7 +18,11 @@ import torch
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.strategies import make_params, strategy_class
 from cover_vllm.strategies.base import BlockState, StepBatch
-from cover_vllm.strategies.cover import AGE, ATTN_IN, CHECKS, CONF, DRIFT, STALE
+from cover_vllm.strategies.cover import MEMORY_FIELDS, CoverMemory, CoverState
+
+# the reference keeps COVER's memory as one [6, L] array, rows in the strategy's field order
+AGE, CHECKS, CONF, DRIFT, ATTN_IN, STALE = (MEMORY_FIELDS.index(name) for name in (
+    "age", "checks", "conf", "drift", "attn_in", "stale"))
 
 MASK, VOCAB = 9, 10
 
@@ -152,8 +156,10 @@ def test_decide_matches_the_reference_on_random_batches(params):
         states = []
         for r in reqs:
             st = BlockState(block_steps=8)
-            st.extra = {k: (v.copy() if isinstance(v, np.ndarray) else v)
-                        for k, v in r[6].items()}
+            saved = r[6]
+            st.extra = CoverState(rho=saved["rho"], drafted=saved["drafted"],
+                                  verify_steps=saved["verify_steps"],
+                                  memory=CoverMemory(*saved["mem"].copy()))
             states.append(st)
         with_stats = rng.random() < 0.7
         batch = StepBatch(
@@ -180,10 +186,14 @@ def test_decide_matches_the_reference_on_random_batches(params):
             none = lambda m: [False] * w if m is None else m[row, :w].tolist()  # noqa: E731
             assert none(d.remask) == remask and none(d.replace) == replace
             assert (int(d.keeps[row]), int(d.verified[row])) == (keeps, verified)
-            got_extra = states[row].extra
-            np.testing.assert_allclose(got_extra["mem"], mem, rtol=1e-12, atol=1e-12)
-            assert got_extra["drafted"] == extra["drafted"]
-            assert math.isclose(got_extra["rho"], extra["rho"])
+            got = states[row].extra
+            np.testing.assert_allclose(got.memory.stacked(), mem, rtol=1e-12, atol=1e-12)
+            assert got.drafted == extra["drafted"]
+            assert math.isclose(got.rho, extra["rho"])
+            # a step that leaves no [MASK] in the block counts towards max_verify_steps
+            lo, hi = block
+            left = sum((tokens[i] == MASK and not commit[i]) or remask[i] for i in range(lo, hi))
+            assert got.verify_steps == extra["verify_steps"] + (left == 0)
             verdicts["commit"] += sum(commit)
             verdicts["remask"] += sum(remask)
             verdicts["replace"] += sum(replace)

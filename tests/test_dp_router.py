@@ -12,7 +12,7 @@ from cover_vllm import LLM, SamplingParams
 from cover_vllm.config import EngineConfig
 from conftest import LLADA_DIR
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # Ray actors: slow to start
 
 
 class ReplicaFailed(Exception):
@@ -39,7 +39,7 @@ async def _final(stream):
 
 @pytest.fixture(scope="module")
 def router(ray_session):
-    from cover_vllm.engine.dp_router import DPRouter
+    from cover_vllm.entrypoints.server.dp_router import DPRouter
 
     config = EngineConfig(model=LLADA_DIR, decoding="low_confidence", num_threads=1)
     router = DPRouter(config, 2, error_cls=ReplicaFailed, poll_s=0.2)

@@ -57,11 +57,11 @@ def test_cached_window_equals_full_forward_on_an_unchanged_canvas(llada_dir, dre
                                  decoding="low_confidence", kv_cache=mode))
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=24, block_length=8))
     req = engine.scheduler.waiting[0]
-    full = engine.scheduler.schedule()
+    full = engine.schedule()
     assert full.items[0].is_refresh and full.items[0].window_len == req.canvas_len
     logits_full = engine.executor.execute_model(full).logits[0]
     req.needs_refresh = False
-    part = engine.scheduler.schedule()
+    part = engine.schedule()
     item = part.items[0]
     assert not item.is_refresh and item.window_len < req.canvas_len
     logits_part = engine.executor.execute_model(part).logits[0]
@@ -76,7 +76,7 @@ def test_cache_modes_cut_forward_tokens(llada_dir):
     for mode, engine in engines.items():
         engine.add_request("a", list(range(10)), SamplingParams(max_tokens=32, block_length=8))
         engine.step()                      # the refresh
-        sizes[mode] = engine.scheduler.schedule().num_tokens
+        sizes[mode] = engine.schedule().num_tokens
     assert sizes == {"none": 42, "prefix": 32, "dual": 8}   # canvas 10 + 32; block 0 = 10..17
 
 
@@ -239,7 +239,7 @@ def test_mask_is_never_proposed_even_when_it_is_the_argmax(llada_dir, decoding):
 
 
 def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
-    from cover_vllm.engine.dp_replica import EngineReplica
+    from cover_vllm.entrypoints.server.dp_replica import EngineReplica
 
     replica = EngineReplica(EngineConfig(model=llada_dir, decoding="low_confidence"), 0)
     try:
@@ -266,6 +266,40 @@ def test_replica_step_limit_holds_requests_until_lifted(llada_dir):
         assert len(outs[-1][2].outputs[0].token_ids) == 16
         assert replica.poll(0.0, last_after)[0] == last_batch    # not acknowledged: sent again
         assert replica.poll(0.0, handled)[0] == []               # acknowledged: dropped
+    finally:
+        replica.shutdown()
+
+
+def test_replica_fails_only_the_request_its_steps_fail_on(llada_dir):
+    """A DP replica follows the server's failure rule (engine/driver.py): the failed batch is
+    replayed in halves and only the request that fails alone gets the error."""
+    from cover_vllm.entrypoints.server.dp_replica import EngineReplica
+
+    replica = EngineReplica(EngineConfig(model=llada_dir, decoding="low_confidence"), 0)
+    real = replica.engine.executor.execute_model
+
+    def execute(out):
+        if any(item.request_id == "poisoned" for item in out.items):
+            raise RuntimeError("injected fault")
+        return real(out)
+
+    replica.engine.executor.execute_model = execute
+    params = SamplingParams(max_tokens=8, block_length=8, ignore_eos=True)
+    try:
+        replica.limit_steps(0)                       # all three join the same first batch
+        for rid in ("a", "poisoned", "b"):
+            replica.add_request(rid, [5, 6, 7], params)
+        replica.limit_steps(None)
+        final, handled, deadline = {}, 0, time.monotonic() + 30
+        while len(final) < 3:
+            assert time.monotonic() < deadline, f"only {sorted(final)} ended"
+            for number, rid, item in replica.poll(1.0, handled)[0]:
+                handled = number
+                if isinstance(item, str) or item.finished:
+                    final[rid] = item
+        assert "injected fault" in final["poisoned"]
+        assert all(len(final[r].outputs[0].token_ids) == 8 for r in ("a", "b"))
+        assert replica.driver.num_failed_steps >= 1 and replica.stats()["fatal"] is None
     finally:
         replica.shutdown()
 

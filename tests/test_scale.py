@@ -131,6 +131,7 @@ def test_make_checkpoint_writes_the_official_layout_with_dummy_values(tmp_path):
         assert torch.equal(p, written[name]), name
 
 
+@pytest.mark.slow   # worker processes
 def test_tp2_equals_tp1_on_dummy_weights():
     params = SamplingParams(max_tokens=8, block_length=8, ignore_eos=True,
                             decoding="low_confidence", seed=0)

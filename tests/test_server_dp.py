@@ -79,6 +79,7 @@ def dp_server(model, ray_session):
     srv.stop()
 
 
+@pytest.mark.slow   # Ray actors / worker processes
 @pytest.mark.ray
 def test_dp2_server_spreads_requests_and_matches_offline(dp_server, offline, ray_session):
     assert httpx.get(dp_server.url + "/health").json() == {"status": "ok"}
@@ -104,6 +105,7 @@ def test_dp2_server_spreads_requests_and_matches_offline(dp_server, offline, ray
     assert "".join(c.choices[0].text for c in stream) == offline[PROMPTS[0]]
 
 
+@pytest.mark.slow   # Ray actors / worker processes
 @pytest.mark.ray
 def test_dp_dead_replica_fails_its_requests_and_health_turns_unhealthy(dp_server, offline,
                                                                        ray_session):
@@ -135,6 +137,7 @@ def test_dp_dead_replica_fails_its_requests_and_health_turns_unhealthy(dp_server
                                                                     "/metrics").text
 
 
+@pytest.mark.slow   # Ray actors / worker processes
 def test_tp2_mp_server_smoke(model, offline):
     srv = _server(model, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
     try:

@@ -61,6 +61,7 @@ def _load(server, reference, concurrency: int, duration: float):
     return result
 
 
+@pytest.mark.slow   # 10 s of load
 def test_load_short(server, reference) -> None:
     _load(server, reference, concurrency=16, duration=10.0)
 

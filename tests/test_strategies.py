@@ -1,6 +1,7 @@
 """Every registered strategy decides the same for a request batched as alone; registry errors."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -117,6 +118,8 @@ def _comparable(value):
         return ("tensor", value.tolist())
     if isinstance(value, np.ndarray):
         return ("array", value.tolist())
+    if dataclasses.is_dataclass(value):
+        return (type(value).__name__, _comparable(vars(value)))
     if isinstance(value, dict):
         return {k: _comparable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -84,7 +84,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
 
 
 # ---- the sharding transform, two ranks as threads of this process (no Ray, no processes) -----
-@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
+@pytest.mark.parametrize("family", ["llada", pytest.param("dream", marks=pytest.mark.slow),
+                                    pytest.param("llada_moe", marks=pytest.mark.slow)])
 def test_sharded_forward_matches_unsharded_in_threads(family):
     config = _config(family)
     resolved = resolve_model(config.model)
@@ -165,6 +166,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow   # worker processes
 def test_tp2_paged_forward_logits_match_tp1(tp_llm, reference):
     family, llm = tp_llm
     out, _ = _golden_batch(family)
@@ -174,6 +176,7 @@ def test_tp2_paged_forward_logits_match_tp1(tp_llm, reference):
         _close(g, w)
 
 
+@pytest.mark.slow   # worker processes
 def test_tp2_tokens_match_tp1_for_every_strategy(tp_llm, reference):
     family, llm = tp_llm
     mismatched = []
@@ -188,6 +191,7 @@ def test_tp2_tokens_match_tp1_for_every_strategy(tp_llm, reference):
 
 
 # ---- failures -------------------------------------------------------------------------------
+@pytest.mark.slow   # worker processes
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_worker_fails_in_flight_requests_within_seconds(backend, request):
     if backend == "ray":
@@ -219,6 +223,7 @@ def test_killed_worker_fails_in_flight_requests_within_seconds(backend, request)
     llm.shutdown()
 
 
+@pytest.mark.slow   # worker processes
 def test_hung_worker_times_out_instead_of_hanging():
     llm = LLM(_model_dir("llada"), tensor_parallel_size=2, num_threads=1,
               distributed_timeout_s=2)
@@ -234,6 +239,7 @@ def test_hung_worker_times_out_instead_of_hanging():
     _assert_gone([pid])
 
 
+@pytest.mark.slow   # worker processes
 def test_deleting_the_llm_stops_its_worker_processes():
     llm = LLM(_model_dir("dream"), tensor_parallel_size=2, num_threads=1)   # default: "mp"
     pids = list(llm.engine.executor.ranks.pids)
@@ -243,6 +249,7 @@ def test_deleting_the_llm_stops_its_worker_processes():
     _assert_gone(pids)
 
 
+@pytest.mark.slow   # worker processes
 def test_tp2_matches_tp1_on_cover_tiny_tasks():
     """The shipped model on real task prompts: every strategy, TP=2 (mp) == TP=1, text too."""
     from cover_vllm import SamplingParams

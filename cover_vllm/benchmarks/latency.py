@@ -19,31 +19,38 @@ import time
 
 from cover_vllm.benchmarks.machine import pin_threads
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
+from cover_vllm.engine.observer import PHASES, StepObserver, StepTimes
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.strategies import BlockState, make_params, strategy_class
 
-PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
-
-def run_latency(spec: ThroughputSpec, repeats: int = 3, log=print) -> list[dict]:
+def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
+    """The engine a latency run times (random weights for a weightless built-in shape) and
+    its pinned thread count."""
     threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=spec.decodings[0], load_format=load_format, seed=spec.seed,
-              num_threads=threads)
+    return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
+               num_threads=threads, dtype=spec.dtypes[0]), threads
+
+
+def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
+    llm, threads = _llm(spec, spec.decodings[0])
     work = Workload(spec, llm, max(repeats, 1))
     rows = []
     for kv in spec.kv_caches:
         for decoding in spec.decodings:
             sp = work.params(spec, decoding, (kv, spec.cache_refreshes[0]))
             llm.generate(work.prompts[:1], sp, use_tqdm=False)            # warm-up
-            steps, nfe = [], []
-            for prompt in work.prompts[:repeats]:
-                llm.engine.step_times = []
-                (out,) = llm.generate([prompt], sp, use_tqdm=False)
-                steps += llm.engine.step_times
-                nfe.append(out.metrics.nfe)
-            llm.engine.step_times = None
+            times, nfe = StepTimes(), []
+            llm.engine.add_observer(times)
+            try:
+                for prompt in work.prompts[:repeats]:
+                    (out,) = llm.generate([prompt], sp, use_tqdm=False)
+                    nfe.append(out.metrics.nfe)
+            finally:
+                llm.engine.remove_observer(times)
+            steps = times.rows
             window = [t for t in steps if not t["num_refresh"]] or steps
             row = {"decoding": decoding, "kv_cache": kv, "nfe": statistics.mean(nfe),
                    "steps_timed": len(window)}
@@ -86,17 +93,14 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     strategy's work: its seed selection and its `decide` on the recorded logits (its per-request
     state restored before each replay) against `threshold`'s at the same draft threshold.
     """
-    threads = pin_threads(spec.model, spec.threads)
-    load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
-    llm = LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
-              num_threads=threads)
+    llm, threads = _llm(spec, decoding)
     work = Workload(spec, llm, max(repeats, 1))
     executor = llm.engine.executor
     rows = []
     for kv in spec.kv_caches:
         sp = work.params(spec, decoding, (kv, spec.cache_refreshes[0]))
-        recorded = _record_steps(llm, decoding, lambda: [llm.generate([p], sp, use_tqdm=False)
-                                                         for p in work.prompts[:repeats]])
+        recorded = _record_steps(llm, lambda: [llm.generate([p], sp, use_tqdm=False)
+                                               for p in work.prompts[:repeats]])
         steps = [(out, dec) for out, dec in recorded if any(i.override for i in out.items)
                  and (kv == "none" or not any(i.is_refresh for i in out.items))]
         if not steps:
@@ -127,28 +131,30 @@ def run_verification_cost(spec: ThroughputSpec, decoding: str = "cover", repeats
     return rows
 
 
-def _record_steps(llm: LLM, decoding: str, generate) -> list[tuple]:
+class _StepRecorder(StepObserver):
+    """Each step's SchedulerOutput and each decision's (strategy, StepBatch, every request's
+    state copied before the decision)."""
+
+    def __init__(self):
+        self.outs, self.decisions = [], []
+
+    def on_schedule(self, out) -> None:
+        self.outs.append(out)
+
+    def on_decide(self, strategy, batch) -> None:
+        self.decisions.append((strategy, batch, [copy.deepcopy(st.extra) for st in batch.states]))
+
+
+def _record_steps(llm: LLM, generate) -> list[tuple]:
     """Run `generate()` (one request at a time), recording each step's SchedulerOutput with its
-    decision: (strategy, StepBatch, each request's state copied before the decision)."""
-    executor, outs, decisions = llm.engine.executor, [], []
-    run, cls = executor.execute_model, strategy_class(decoding)
-    own = vars(cls).get("decide")                 # None: the class inherits `decide`
-    original = cls.decide
-
-    def decide(self, batch):
-        decisions.append((self, batch, [copy.deepcopy(st.extra) for st in batch.states]))
-        return original(self, batch)
-
-    executor.execute_model = lambda out: outs.append(out) or run(out)
-    cls.decide = decide
+    decision (a step observer: engine/observer.py)."""
+    recorder = _StepRecorder()
+    llm.engine.add_observer(recorder)
     try:
         generate()
     finally:
-        executor.execute_model = run
-        if own is None:
-            del cls.decide
-        else:
-            cls.decide = own
+        llm.engine.remove_observer(recorder)
+    outs, decisions = recorder.outs, recorder.decisions
     assert len(outs) == len(decisions), "one decision per recorded step (one request at a time)"
     return list(zip(outs, decisions))
 

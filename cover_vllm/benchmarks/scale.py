@@ -18,12 +18,12 @@ import time
 import torch
 
 from cover_vllm.benchmarks.machine import machine_info
+from cover_vllm.engine.observer import PHASES
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.sampling_params import SamplingParams
 
 GiB = 1 << 30
-PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
 
 @dataclasses.dataclass(frozen=True)

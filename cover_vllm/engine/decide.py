@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
+from cover_vllm.step_plan import RowDecision
 from cover_vllm.strategies.base import StepBatch
-
-
-@dataclass
-class RowDecision:
-    """One request's decision, view-relative ([view_len] tensors)."""
-
-    commit: torch.Tensor
-    tokens: torch.Tensor
-    remask: torch.Tensor | None
-    replace: torch.Tensor | None
-    keeps: int
-    verified: int
 
 
 def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
@@ -61,8 +48,8 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     tokens = []
     seeds = torch.zeros_like(valid)
     for i, (req, item) in enumerate(zip(reqs, items)):
-        if req.seeds:
-            seeds[i, torch.tensor(req.seeds) - item.view_start] = True
+        if item.override:
+            seeds[i, torch.tensor([s for s, _ in item.override]) - item.view_start] = True
         n = item.view_end - item.view_start
         pos = torch.arange(item.view_start, item.view_end)
         start, end = req.block
@@ -85,9 +72,10 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         extra_logits=extra[0], extra_valid=extra[1])
 
 
-def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
-                   result) -> dict[str, RowDecision]:
-    """One `decide` per strategy instance over the ModelRunnerOutput `result`."""
+def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
+                   observers=()) -> dict[str, RowDecision]:
+    """One `decide` per strategy instance over the ModelRunnerOutput `result`; each observer's
+    `on_decide(strategy, batch)` is called just before it."""
     logits = result.logits
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(out.items):
@@ -99,8 +87,11 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request],
         stats = [None if result.drift is None else [getattr(result, f)[i] for i in idx]
                  for f in ("drift", "attn_in")]
         extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
-        d = reqs[0].strategy.decide(_batch(reqs, items, [logits[i] for i in idx], *stats,
-                                           extra_logits=extra))
+        strategy = reqs[0].strategy
+        batch = _batch(reqs, items, [logits[i] for i in idx], *stats, extra_logits=extra)
+        for observer in observers:
+            observer.on_decide(strategy, batch)
+        d = strategy.decide(batch)
         zeros = [0] * len(reqs)
         keeps = zeros if d.keeps is None else d.keeps.tolist()
         verified = zeros if d.verified is None else d.verified.tolist()

@@ -1,17 +1,22 @@
-"""Engine: add_request / abort_request / step; a step is schedule -> execute -> decide -> update."""
+"""Engine: add_request / abort_request / step, and what a driver needs (load, health, shutdown).
+
+A step is schedule (admit, each strategy's plan, pack) -> execute -> decide -> apply (each request
+applies its decision and completes or advances its block) -> outputs.
+"""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
-from cover_vllm.engine.decide import run_strategies
-from cover_vllm.engine.timing import StepClock
+from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
+from cover_vllm.engine.strategy_stage import StrategyStage
+from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
 from cover_vllm.flops import FlopModel, item_shape
 from cover_vllm.logger import init_logger
@@ -21,12 +26,23 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.page_pool import PagePool
+from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
-from cover_vllm.strategies import Strategy, make_params, strategy_class
+from cover_vllm.step_plan import RowDecision
 from cover_vllm.worker.memory import plan_memory
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a driver or router reads to balance and report: requests and KV pages."""
+
+    running: int
+    waiting: int
+    pages_used: int
+    pages_total: int
 
 
 def _load_tokenizer(path):
@@ -45,7 +61,7 @@ class Engine:
                              "load_format='dummy' (--load-format dummy) for random weights, or "
                              "a checkpoint directory")
         self.spec = ModelSpec.from_config(resolved.config)
-        strategy_class(config.decoding)                        # fail early on a bad default
+        self.stage = StrategyStage(self.spec, config.decoding)   # fails early on a bad default
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
         meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
@@ -63,20 +79,12 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
         self.refresh_policy = config.refresh_policy
-        self._strategies: dict[tuple[str, Any], Strategy] = {}
         self._requests: dict[str, Request] = {}
         self._counter = itertools.count()
-        self.step_times: list[dict] | None = None    # set to [] to record per-phase timings
+        self._observers: list[StepObserver] = []
+        self._times: StepTimes | None = None
 
     # ---- requests --------------------------------------------------------------------------
-    def _strategy(self, params: SamplingParams) -> Strategy:
-        name = params.decoding or self.config.decoding
-        typed = make_params(name, params.decoding_params)
-        key = (name, typed)
-        if key not in self._strategies:
-            self._strategies[key] = strategy_class(name)(typed, self.spec)
-        return self._strategies[key]
-
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer; pass "
@@ -90,7 +98,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        strategy = self._strategy(params)
+        strategy = self.stage.strategy(params.decoding, params.decoding_params)
         strategy.check_steps(params.steps, params.max_tokens)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
@@ -131,79 +139,99 @@ class Engine:
         return None, list(prompt)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.scheduler.abort_request(request_id)
-        if req is not None:
-            req.finish_reason = "abort"
+        if self.scheduler.abort_request(request_id) is not None:
             self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def running_request_ids(self) -> list[str]:
+        """The requests in the batch the next step runs (admitted, not finished)."""
+        return [r.request_id for r in self.scheduler.running]
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+                          self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`) or whose current block became FINAL (`finished=False`, partial)."""
         clock = StepClock()
-        out = self.scheduler.schedule()
+        out = self.schedule()
         if not out.items:
             return []
         clock.lap("schedule")
+        self._notify("on_schedule", out)
         result = self.executor.execute_model(out)
         clock.lap("forward")
         self._account(out, result)
-        decisions = run_strategies(out, self._requests, result)
+        decisions = self.stage.decide(out, self._requests, result, self._observers)
         clock.lap("strategy")
-        finished = self._update(out, decisions)
+        outputs = self._apply(out, decisions)
         clock.lap("update")
-        if self.step_times is not None:
-            timing = clock.laps
-            timing["prepare"] = result.prepare_s
-            timing["forward"] -= result.prepare_s
-            shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
-            timing["num_tokens"] = sum(t for t, _, _ in shapes)
-            timing["num_seqs"] = len(out.items)
-            timing["num_refresh"] = sum(i.is_refresh for i in out.items)
-            timing["attn_pairs"] = sum(p for _, p, _ in shapes)
-            timing["logit_rows"] = sum(r for _, _, r in shapes)
-            self.step_times.append(timing)
-        return finished
+        if self._observers:
+            self._notify("on_step", StepRecord.of(clock.laps, result.prepare_s, out))
+        return outputs
 
-    def _account(self, out, result) -> None:
-        """Charge every request the model rows and FLOPs of its own work item; hand the
-        measured attention mass on cached positions to its refresh policy."""
+    def schedule(self) -> SchedulerOutput:
+        """Admit what the pages allow, ask every running request's strategy for its plan
+        (seeds, extra rows, embedding edits, cfg), and pack the work items."""
+        running = self.scheduler.admit()
+        return self.scheduler.pack(running, self.stage.plan(running))
+
+    def _account(self, out: SchedulerOutput, result) -> None:
+        """Charge every request the model rows and FLOPs of its own work item, with the
+        attention mass it measured on cached positions."""
         masses = result.cached_mass or [None] * len(out.items)
         columns = result.column_mass or [None] * len(out.items)
         for item, mass, column in zip(out.items, masses, columns):
             tokens, pairs, rows = item_shape(item)
-            req = self._requests[item.request_id]
-            req.metrics.forward_tokens += tokens
-            req.metrics.flops += self.flop_model.forward(tokens, pairs, rows)
-            if mass is not None:
-                req.refresh.cached_mass, req.refresh.column_mass = mass, column
+            self._requests[item.request_id].charge(
+                tokens, self.flop_model.forward(tokens, pairs, rows), mass, column)
 
-    def _update(self, out, decisions) -> list[RequestOutput]:
-        """Apply decisions; a request whose block became FINAL yields an output (finished or a
-        partial one whose text can never change: streaming sends only FINAL text)."""
+    def _apply(self, out: SchedulerOutput,
+               decisions: dict[str, RowDecision]) -> list[RequestOutput]:
+        """Each request applies its decision; a request whose block became FINAL yields an
+        output (finished, or a partial one whose text can never change: streaming sends only
+        FINAL text)."""
         outputs = []
-        for req in self.scheduler.update_from_output(out, decisions):
-            last = req.block_idx + 1 == len(req.blocks)
-            if req.strategy.revises_done_blocks and not last:
-                req.block_idx += 1                   # nothing is FINAL before the request ends
-                req.begin_block()
+        for item in out.items:
+            req = self._requests[item.request_id]
+            event = req.finish_step(item, decisions[item.request_id], self.outputs.check_stop)
+            if event is None:
                 continue
-            req.final_end = req.block[1]
-            reason = self.outputs.check_stop(req)
-            if reason is None and last:
-                reason = "length"
-            if reason is None:
-                req.block_idx += 1
-                req.begin_block()
-                outputs.append(self.outputs.make_output(req))
-                continue
-            self.scheduler.finish(req, reason)
-            self._requests.pop(req.request_id)
+            if event != "block":
+                self.scheduler.finish(req, event)
+                del self._requests[req.request_id]
             outputs.append(self.outputs.make_output(req))
         return outputs
+
+    # ---- observers -------------------------------------------------------------------------
+    def add_observer(self, observer: StepObserver) -> None:
+        """Call `observer`'s hooks on every step from now on (engine/observer.py)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        self._observers.remove(observer)
+
+    def _notify(self, hook: str, *args) -> None:
+        for observer in self._observers:
+            getattr(observer, hook)(*args)
+
+    @property
+    def step_times(self) -> list[dict] | None:
+        """Every step's phase timings while recording: set to [] to start, None to stop (a
+        StepTimes observer)."""
+        return None if self._times is None else self._times.rows
+
+    @step_times.setter
+    def step_times(self, rows: list[dict] | None) -> None:
+        if self._times is not None:
+            self.remove_observer(self._times)
+        self._times = None if rows is None else StepTimes(rows)
+        if self._times is not None:
+            self.add_observer(self._times)
 
     def peak_memory_bytes(self) -> list[int]:
         """Peak resident memory (VmHWM) per tensor-parallel rank, the driver (this process)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from cover_vllm.outputs import CompletionOutput, RequestOutput
 from cover_vllm.scheduler.request import Request
 
@@ -17,11 +15,9 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check_stop(self, req: Request) -> str | None:
-        """After a block is FINAL: 'stop' if an EOS/stop token or stop string appeared, else None.
-
-        Sets req.output_token_ids / output_text to the final tokens up to the stop point.
-        """
+    def check_stop(self, req: Request) -> tuple[str | None, list[int], str]:
+        """After a block is FINAL: ('stop' if an EOS/stop token or stop string appeared, else
+        None; the final token ids and text up to the stop point). A Request's stop rule."""
         final = req.canvas[req.prompt_len:req.final_end].tolist()
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
         cut = next((i for i, t in enumerate(final) if t in stop_ids), None)
@@ -33,8 +29,7 @@ class OutputProcessor:
             if at >= 0:
                 text, reason = text[:at], "stop"
                 ids = self._ids_for_text(ids, at)
-        req.output_token_ids, req.output_text = ids, text
-        return reason
+        return reason, ids, text
 
     def _ids_for_text(self, ids: list[int], length: int) -> list[int]:
         """Shortest prefix of ids whose text reaches `length` characters (covers the stop)."""
@@ -52,10 +47,7 @@ class OutputProcessor:
         return text.rstrip("\ufffd")
 
     def make_output(self, req: Request) -> RequestOutput:
-        m = req.metrics
-        m.latency_s = time.perf_counter() - req.arrival
-        m.decoded_tokens = req.final_end - req.prompt_len
-        m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
+        m = req.stamp_metrics()
         done = req.finish_reason is not None
         text = req.output_text if done else self.stable_text(req)
         return RequestOutput(

@@ -6,59 +6,15 @@ import argparse
 import json
 import sys
 
-
-def _csv(value: str) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
-
-
-def _ints(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in _csv(value))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from exc
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _positive_ints(value: str) -> tuple[int, ...]:
-    return tuple(_positive_int(v) for v in _csv(value))
-
-
-def _dtypes(value: str) -> tuple[str, ...]:
-    names = _csv(value)
-    allowed = DTYPES
-    bad = [n for n in names if n not in allowed]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r}; choose from {', '.join(allowed)}")
-    return names
-
-
-def _json_obj(value: str) -> dict:
-    try:
-        obj = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return obj
+from cover_vllm.config import KV_CACHE_MODES
+from cover_vllm.entrypoints.cli_types import (csv, dtypes, ints, json_obj, positive_int,
+                                              positive_ints)
+from cover_vllm.entrypoints.engine_flags import add_engine_flags, engine_kwargs
 
 
 def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """--kv-cache and --cache-refresh lists, validated (ValueError naming the bad value)."""
     from cover_vllm.cache_refresh import parse_cache_refresh
-    from cover_vllm.config import KV_CACHE_MODES
-
     bad = [m for m in args.kv_cache if m not in KV_CACHE_MODES]
     if bad:
         raise ValueError(f"kv_cache={bad[0]!r}; choose one of {list(KV_CACHE_MODES)}")
@@ -68,10 +24,7 @@ def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
 def cmd_generate(args: argparse.Namespace) -> None:
     from cover_vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, decoding=args.decoding, kv_cache=args.kv_cache, dtype=args.dtype,
-              cache_refresh=args.cache_refresh, load_format=args.load_format,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              memory_utilization=args.memory_utilization, num_threads=args.threads)
+    llm = LLM(args.model, **engine_kwargs(args))
     max_tokens = args.max_tokens or llm.get_default_sampling_params().max_tokens
     sp = SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
                         steps=args.steps, temperature=args.temperature,
@@ -107,7 +60,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
                     cache_refresh=refreshes, decoding_params=tuple(params.items()),
-                    use_tqdm=not args.no_tqdm, threads=args.threads)
+                    use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
         print(f"[eval] {row.task} {row.decoding}{k} {row.kv_cache} {row.cache_refresh}: "
@@ -142,11 +95,12 @@ def _bench_spec(args: argparse.Namespace):
                           batch_sizes=getattr(args, "batch_size", (1,)),
                           num_prompts=getattr(args, "num_prompts", None),
                           input_len=args.input_len, output_len=args.output_len,
-                          block_length=args.block_length, steps=args.steps, threads=args.threads,
-                          seed=args.seed, task=args.task,
+                          block_length=args.block_length, steps=args.steps,
+                          threads=args.num_threads, seed=args.seed,
+                          dtypes=args.dtype if isinstance(args.dtype, tuple) else (args.dtype,),
+                          task=args.task,
                           reference_prompts=getattr(args, "reference_prompts", 0),
-                          decoding_params=tuple(params.items()),
-                          dtypes=getattr(args, "dtype", ("auto",)))
+                          decoding_params=tuple(params.items()))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -183,27 +137,6 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
             json.dump({"results": rows, "verification": verification}, f, indent=2)
 
 
-THREADS_HELP = ("torch intra-op threads (default: 1 for a tiny model, else the cores not busy "
-                "with other jobs)")
-KV_CACHES = ["none", "prefix", "dual"]
-LOAD_FORMATS = ["auto", "safetensors", "dummy"]
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
-
-
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
-
-
-def add_memory_args(p: argparse.ArgumentParser) -> None:
-    """--dtype, --kv-cache-memory-bytes, --memory-utilization (engine memory options)."""
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and activations (auto: the checkpoint's torch_dtype)")
-    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
-                   help="explicit KV pool size (default: sized from --memory-utilization)")
-    p.add_argument("--memory-utilization", type=float, default=0.9,
-                   help="share of host (CPU) or device memory for weights + KV cache")
-
-
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     import torch
 
@@ -225,7 +158,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
     spec = ScaleSpec(model=args.model, dtype=args.dtype,
                      tensor_parallel_size=args.tensor_parallel_size,
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                     memory_utilization=args.memory_utilization, threads=args.threads,
+                     memory_utilization=args.memory_utilization, threads=args.num_threads,
                      input_len=args.input_len, output_len=args.output_len,
                      batch_sizes=args.batch_size, seed=args.seed, logits_path=args.dump_logits)
     report = run_scale(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
@@ -235,25 +168,30 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=2)
 
 
-def _bench_common(p: argparse.ArgumentParser) -> None:
+def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
     p.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
-    p.add_argument("--decoding", type=_csv, default=("low_confidence",),
+    p.add_argument("--decoding", type=csv, default=("low_confidence",),
                    help="strategies, comma-separated")
-    p.add_argument("--decoding-params", type=_json_obj, default=None,
+    p.add_argument("--decoding-params", type=json_obj, default=None,
                    help='JSON: {"knob": v} or {"<strategy>": {...}, ...}')
-    p.add_argument("--kv-cache", type=_csv, default=("dual",),
-                   help=f"cache modes, comma-separated ({', '.join(KV_CACHES)})")
-    p.add_argument("--cache-refresh", type=_csv, default=("block",),
+    p.add_argument("--kv-cache", type=csv, default=("dual",),
+                   help=f"cache modes, comma-separated ({', '.join(KV_CACHE_MODES)})")
+    p.add_argument("--cache-refresh", type=csv, default=("block",),
                    help="refresh policies for prefix/dual rows, comma-separated: block, "
                    "interval:N, adaptive")
     p.add_argument("--task", default=None, help="prompts from a task's held-out split")
-    p.add_argument("--input-len", type=_positive_int, default=64, help="prompt tokens")
-    p.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens")
-    p.add_argument("--block-length", type=_positive_int, default=32, help="tokens per block")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--input-len", type=positive_int, default=64, help="prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=128, help="generated tokens")
+    p.add_argument("--block-length", type=positive_int, default=32, help="tokens per block")
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="denoising steps of fixed-schedule strategies (default: theirs)")
-    add_threads_arg(p)
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    if several_dtypes:
+        p.add_argument("--dtype", type=dtypes, default=("auto",),
+                       help="weights and activations, comma-separated to compare (auto: the "
+                       "checkpoint's torch_dtype); MFU is against the peak GEMM rate in each")
+        add_engine_flags(p, ["num_threads", "seed"])
+    else:
+        add_engine_flags(p, ["dtype", "num_threads", "seed"])
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -283,26 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", help="built-in name (cover-tiny, ...) or model directory")
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-token-ids", type=_ints, default=None,
+    prompt.add_argument("--prompt-token-ids", type=ints, default=None,
                         help="prompt as comma-separated token ids (e.g. 5,6,7)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--decoding", default="cover", help="decoding strategy")
-    g.add_argument("--decoding-params", type=_json_obj, default=None,
+    g.add_argument("--decoding-params", type=json_obj, default=None,
                    help='the strategy\'s knobs as JSON, e.g. {"threshold": 0.8}')
-    g.add_argument("--kv-cache", default="dual", choices=KV_CACHES)
-    g.add_argument("--cache-refresh", default="block", help="block, interval:N or adaptive")
-    g.add_argument("--max-tokens", type=_positive_int, default=None,
+    add_engine_flags(g)
+    g.add_argument("--max-tokens", type=positive_int, default=None,
                    help="generation slots (default: the checkpoint's generation_config.json "
                         "max_new_tokens, else 64)")
-    g.add_argument("--block-length", type=_positive_int, default=None,
+    g.add_argument("--block-length", type=positive_int, default=None,
                    help="tokens per block (default: the model's)")
-    g.add_argument("--steps", type=_positive_int, default=None,
+    g.add_argument("--steps", type=positive_int, default=None,
                    help="denoising steps of fixed-schedule strategies (default: theirs)")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights (the only choice for weightless built-in shapes)")
-    add_memory_args(g)
-    add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the "
@@ -313,44 +245,41 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     m.add_argument("--out", required=True, help="directory to write (under /tmp for full sizes)")
     m.add_argument("--seed", type=int, default=0, help="random values' seed")
-    m.add_argument("--max-shard-bytes", type=_positive_int, default=5_000_000_000,
+    m.add_argument("--max-shard-bytes", type=positive_int, default=5_000_000_000,
                    help="largest shard file")
     m.set_defaults(func=cmd_make_checkpoint)
 
     e = sub.add_parser("eval", help="accuracy/NFE of strategies on verifiable tasks")
     e.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
-    e.add_argument("--task", type=_csv, default=("all",), help="task names or 'all'")
-    e.add_argument("--decoding", type=_csv, default=("low_confidence", "threshold"),
+    e.add_argument("--task", type=csv, default=("all",), help="task names or 'all'")
+    e.add_argument("--decoding", type=csv, default=("low_confidence", "threshold"),
                    help="strategies, comma-separated")
-    e.add_argument("--decoding-params", type=_json_obj, default=None,
+    e.add_argument("--decoding-params", type=json_obj, default=None,
                    help='JSON: {"threshold": 0.8} or {"threshold": {"threshold": 0.8}, ...}')
-    e.add_argument("--tokens-per-step", type=_positive_ints, default=(1,),
+    e.add_argument("--tokens-per-step", type=positive_ints, default=(1,),
                    help="for fixed-schedule strategies: run once per k (steps = max_tokens/k)")
-    e.add_argument("--num", type=_positive_int, default=200, help="problems per task")
+    e.add_argument("--num", type=positive_int, default=200, help="problems per task")
     e.add_argument("--seed", type=int, default=None,
                    help="draw fresh problems from this seed (default: the held-out split)")
-    e.add_argument("--kv-cache", type=_csv, default=("none",),
+    e.add_argument("--kv-cache", type=csv, default=("none",),
                    help="none (default) is exact; prefix/dual (comma-separated: one row each) "
                    "reuse K/V between refreshes (--cache-refresh)")
-    e.add_argument("--cache-refresh", type=_csv, default=("block",),
+    e.add_argument("--cache-refresh", type=csv, default=("block",),
                    help="refresh policies for prefix/dual rows, comma-separated: block, "
                    "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
-    add_threads_arg(e)
+    add_engine_flags(e, ["dtype", "num_threads"])
     e.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    t = b.add_parser("throughput", help="tokens/s per decoding x kv_cache x batch size")
-    _bench_common(t)
-    t.add_argument("--batch-size", type=_positive_ints, default=(1,),
+    t = b.add_parser("throughput", help="tokens/s per dtype x decoding x kv_cache x batch size")
+    _bench_common(t, several_dtypes=True)
+    t.add_argument("--batch-size", type=positive_ints, default=(1,),
                    help="batch sizes, comma-separated")
-    t.add_argument("--num-prompts", type=_positive_int, default=None,
+    t.add_argument("--num-prompts", type=positive_int, default=None,
                    help="default: 2 x batch size")
-    t.add_argument("--dtype", type=_dtypes, default=("auto",),
-                   help="weights and activations, comma-separated to compare (auto: the "
-                        "checkpoint's torch_dtype); MFU is against the peak in each dtype")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
     t.add_argument("--markdown", default=None, help="write a markdown report here")
@@ -358,20 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_bench_throughput)
     lat = b.add_parser("latency", help="one request: per-step time by engine phase")
     _bench_common(lat)
-    lat.add_argument("--repeats", type=_positive_int, default=3, help="requests timed")
+    lat.add_argument("--repeats", type=positive_int, default=3, help="requests timed")
     lat.set_defaults(func=cmd_bench_latency)
     sc = b.add_parser("scale", help="load seconds, peak memory, s/step and tok/s of a "
                       "full-size model (run in a fresh process)")
     sc.add_argument("--model", required=True, help="checkpoint directory or built-in shape")
-    add_memory_args(sc)
-    sc.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                    help="mp worker processes")
-    add_threads_arg(sc)
-    sc.add_argument("--input-len", type=_positive_int, default=16, help="prompt tokens")
-    sc.add_argument("--output-len", type=_positive_int, default=32, help="generated tokens")
-    sc.add_argument("--batch-size", type=_positive_ints, default=(1, 4),
+    add_engine_flags(sc, ["dtype", "kv_cache_memory_bytes", "memory_utilization",
+                          "tensor_parallel_size", "num_threads", "seed"])
+    sc.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens")
+    sc.add_argument("--output-len", type=positive_int, default=32, help="generated tokens")
+    sc.add_argument("--batch-size", type=positive_ints, default=(1, 4),
                     help="batch sizes, comma-separated")
-    sc.add_argument("--seed", type=int, default=0, help="engine seed")
     sc.add_argument("--dump-logits", default=None, help="save the first forward's logits here")
     sc.add_argument("--json", default=None, help="write the report here")
     sc.set_defaults(func=cmd_bench_scale)

@@ -19,25 +19,16 @@ class LLM:
     """A diffusion LM with an engine: continuous batching over a paged KV cache.
 
     model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
-    decoding: default strategy (per-request override in SamplingParams.decoding).
-    kv_cache: "none" (exact, recompute every step) | "prefix" | "dual" (Fast-dLLM style).
-    cache_refresh (keyword): "block" (default) | "interval:N" | "adaptive" — when prefix/dual
-    recompute their cached K/V (cover_vllm/cache_refresh.py); per request in SamplingParams.
-    kv_cache_memory_bytes: the KV pool; None sizes it from `memory_utilization` (an EngineConfig
-    field passed through **engine_kwargs, default 0.9 of host / device memory) after the weights.
+    options: any EngineConfig field (cover_vllm/config.py, where each one is documented), e.g.
+    decoding="cover" (default strategy; per request in SamplingParams.decoding),
+    kv_cache="dual" ("none" is exact), dtype="auto", seed=0, tensor_parallel_size=1,
+    max_num_seqs=64, kv_cache_memory_bytes=None (sized from memory_utilization after the
+    weights), load_format="auto", page_size=16, cache_refresh="block". An unknown keyword
+    raises TypeError naming the valid ones.
     """
 
-    def __init__(self, model: str, decoding: str = "cover", kv_cache: str = "dual",
-                 dtype: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, max_num_seqs: int = 64,
-                 kv_cache_memory_bytes: int | None = None, load_format: str = "auto",
-                 **engine_kwargs: Any):
-        config = EngineConfig(
-            model=str(model), decoding=decoding, kv_cache=kv_cache, dtype=dtype, seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=distributed_executor_backend, max_num_seqs=max_num_seqs,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, load_format=load_format,
-            **engine_kwargs)
+    def __init__(self, model: str, **options: Any):
+        config = EngineConfig.from_options(model, **options)
         self.engine = Engine(config)
         self._ids = itertools.count()
 

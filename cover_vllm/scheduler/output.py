@@ -1,10 +1,15 @@
-"""SchedulerOutput: the only thing that crosses from the scheduler to the workers each step."""
+"""SchedulerOutput: the only thing that crosses from the scheduler to the workers each step.
+
+ExtraRows and EmbedEdit (what a strategy may add to a forward) live in cover_vllm/step_plan.py,
+below both the scheduler and the strategies; they are re-exported here for the runner."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from cover_vllm.step_plan import EmbedEdit, ExtraRows
 
 
 @dataclass
@@ -13,42 +18,6 @@ class CanvasInput:
 
     input_ids: torch.Tensor      # [window_len] tokens at the window's positions (seeds masked)
     key_slots: torch.Tensor      # [L] cache slot of every canvas position
-
-
-@dataclass
-class ExtraRows:
-    """Query rows run alongside a window that are never part of the canvas (WINO's shadow block).
-
-    They are queries only: their K/V are never written to the cache and no window row sees them.
-    Row e sees canvas column j where `allowed[e, j]` and extra row f where `allowed[e, L + f]`.
-    Their logits come back raw (row e's own output; no predictor-row shift is applied).
-    """
-
-    input_ids: torch.Tensor      # [E] tokens of the extra rows
-    positions: torch.Tensor      # [E] their RoPE positions (may repeat canvas positions)
-    allowed: torch.Tensor        # [E, L + E] bool: canvas key columns, then extra-row columns
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.input_ids.numel())
-
-
-@dataclass
-class EmbedEdit:
-    """Per-position input-embedding edits, applied by the runner right after `model.embed`:
-
-        e_p <- e_p + sum_k mix_weights[n, k] * embed(mix_ids[n, k])  +  perturb[n] * |e_p| * u_n
-
-    (p = positions[n]; u_n a unit vector orthogonal to e_p, drawn from torch.Generator(seed), so a
-    request's edit never depends on its batch). Positions must lie in the window; the edited
-    positions' fresh K/V are written to the cache like any other window position.
-    """
-
-    positions: torch.Tensor      # [N] canvas positions (inside the window)
-    mix_ids: torch.Tensor        # [N, K] token ids whose embeddings are added
-    mix_weights: torch.Tensor    # [N, K] float weights (0 = unused slot)
-    perturb: torch.Tensor        # [N] float: orthogonal perturbation size relative to |e_p|
-    seed: int = 0
 
 
 @dataclass
@@ -94,3 +63,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(item.window_len * len(item.canvases) + item.num_extra for item in self.items)
+
+
+__all__ = ["CanvasInput", "EmbedEdit", "ExtraRows", "SchedulerOutput", "WorkItem"]

@@ -3,6 +3,10 @@
 Canvas = prompt tokens, then `max_tokens` generation slots that start as [MASK], split into
 semi-autoregressive blocks. A slot is MASKED, DRAFTED (visible, revocable) or FINAL (its block is
 done); positions before `final_end` are FINAL and the only ones ever streamed or stopped on.
+
+Every write to a request's state is a method here or in the scheduler (pages, status): after a
+forward `finish_step` applies the decision, asks the strategy whether the block is complete and
+moves to the next block or ends the request.
 """
 
 from __future__ import annotations
@@ -10,13 +14,20 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from cover_vllm.cache_refresh import CacheRefresh, RefreshState
 from cover_vllm.outputs import RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scheduler.output import WorkItem
+from cover_vllm.step_plan import RowDecision
 from cover_vllm.strategies.base import BlockState, Strategy
+
+# stop_rule(request) -> (finish reason or None, output token ids, output text): the stop check
+# on a request's FINAL tokens (engine/output_processor.py owns the tokenizer it needs)
+StopRule = Callable[["Request"], tuple[str | None, list[int], str]]
 
 
 class RequestStatus(enum.Enum):
@@ -68,7 +79,6 @@ class Request:
         self.refresh = RefreshState(cache_refresh or CacheRefresh())
         # [L] the token each position's cached K/V were computed from (-1: never computed)
         self.kv_tokens = torch.full_like(self.canvas, -1)
-        self.seeds: list[int] = []              # positions verified in the current step
         self.output_token_ids: list[int] = []
         self.output_text = ""
 
@@ -84,6 +94,10 @@ class Request:
     @property
     def block(self) -> tuple[int, int]:
         return self.blocks[self.block_idx]
+
+    @property
+    def in_last_block(self) -> bool:
+        return self.block_idx + 1 == len(self.blocks)
 
     def uncond_canvas(self) -> torch.Tensor:
         """The classifier-free-guidance copy: every prompt position replaced by [MASK]."""
@@ -139,6 +153,67 @@ class Request:
         self.state.step += 1
         m.steps += 1
         return revised + int(idx.numel()), revised
+
+    def note_written(self, item: WorkItem) -> None:
+        """Record which token each written position's cached K/V now hold (override positions
+        keep their old K/V)."""
+        pos, ids = item.positions(), item.canvases[0].input_ids
+        if item.override:
+            keep = ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
+            pos, ids = pos[keep], ids[keep]
+        self.kv_tokens[pos] = ids
+
+    def charge(self, forward_tokens: int, flops: float, cached_mass=None,
+               column_mass=None) -> None:
+        """Count one forward's rows and FLOPs against this request; hand the attention mass it
+        measured on cached positions ([L] per column) to the refresh policy."""
+        self.metrics.forward_tokens += forward_tokens
+        self.metrics.flops += flops
+        if cached_mass is not None:
+            self.refresh.cached_mass, self.refresh.column_mass = cached_mass, column_mass
+
+    def finish_step(self, item: WorkItem, decision: RowDecision,
+                    stop_rule: StopRule) -> str | None:
+        """After the forward of `item`: apply the decision, then, if the strategy says the block
+        is complete, make it FINAL and check for a stop. Returns None (nothing to report),
+        "block" (a block became FINAL; the request goes on) or the finish reason."""
+        self.note_written(item)
+        changed, revised = self.apply(item.view_start, decision.commit, decision.tokens,
+                                      decision.remask, decision.replace)
+        self.refresh.record(item.is_refresh, changed, revised)
+        m = self.metrics
+        m.nfe += 1
+        m.keeps += decision.keeps
+        m.seeds_verified += decision.verified
+        m.refreshes += int(item.is_refresh)
+        if not self.strategy.block_done(self.state, self.block_masked()):
+            return None
+        return self._complete_block(stop_rule)
+
+    def _complete_block(self, stop_rule: StopRule) -> str | None:
+        if self.strategy.revises_done_blocks and not self.in_last_block:
+            self._next_block()                   # nothing is FINAL before the request ends
+            return None
+        self.final_end = self.block[1]
+        reason, self.output_token_ids, self.output_text = stop_rule(self)
+        if reason is None and self.in_last_block:
+            reason = "length"
+        if reason is None:
+            self._next_block()
+            return "block"
+        return reason
+
+    def _next_block(self) -> None:
+        self.block_idx += 1
+        self.begin_block()
+
+    def stamp_metrics(self) -> RequestMetrics:
+        """The metrics as of now (latency so far, decoded tokens, tokens per step)."""
+        m = self.metrics
+        m.latency_s = time.perf_counter() - self.arrival
+        m.decoded_tokens = self.final_end - self.prompt_len
+        m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
+        return m
 
     def generated(self) -> torch.Tensor:
         """[G] the generation slots as they stand."""

@@ -1,5 +1,8 @@
-"""Scheduler: admission by KV pages, one work item per running request per step, and updates.
+"""Scheduler: admission by KV pages and packing: one work item per running request per step.
 
+The scheduler never calls a strategy: the engine's strategy stage (engine/strategy_stage.py)
+hands it each request's StepPlan (view, seeds, extra rows, embedding edits, cfg), and the
+request applies its own decision after the forward (Request.finish_step).
 There is no global draft or verify phase: every running request has a next item. A refresh item
 (a full-canvas forward) starts each block when a cache mode is on, every step with
 kv_cache="none", and whenever the request's `cache_refresh` policy asks (cache_refresh.py); other
@@ -18,6 +21,7 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
+from cover_vllm.step_plan import StepPlan
 
 
 class Scheduler:
@@ -61,6 +65,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
                 return req
         for req in self.running:
             if req.request_id == request_id:
@@ -77,9 +82,16 @@ class Scheduler:
         req.pages = []
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def admit(self) -> list[Request]:
+        """Admit waiting requests while pages allow (FCFS); the running requests, each due one
+        work item this step."""
         self._admit()
-        return SchedulerOutput([self._work_item(r) for r in self.running], len(self.waiting))
+        return list(self.running)
+
+    def pack(self, requests: list[Request], plans: list[StepPlan]) -> SchedulerOutput:
+        """One work item per request (from `admit`) and its strategy's plan."""
+        return SchedulerOutput([self._work_item(r, p) for r, p in zip(requests, plans)],
+                               len(self.waiting))
 
     def _window(self, req: Request, refresh: bool, view_start: int) -> tuple[int, int]:
         if refresh:
@@ -122,16 +134,14 @@ class Scheduler:
         keep = int((cum < share).sum()) + 1
         return out[order[:keep]]
 
-    def _work_item(self, req: Request) -> WorkItem:
+    def _work_item(self, req: Request, plan: StepPlan) -> WorkItem:
         start, end = req.block
         refresh = req.kv_cache == "none" or req.refresh.should_refresh(
             end - start, req.canvas_len - (end - start))
-        view_start = req.strategy.view_start(start, req.prompt_len)
-        seeds = req.strategy.select_seeds(req.state, req.canvas[start:end], start)
-        req.seeds = seeds
+        view_start, seeds = plan.view_start, plan.seeds
         positions = None
         policy = req.refresh.policy
-        sparse = (req.kv_cache == "dual" and policy.sparse and req.strategy.masked_rows_only
+        sparse = (req.kv_cache == "dual" and policy.sparse and plan.masked_rows_only
                   and req.num_canvases == 1)
         if sparse and refresh and not req.refresh.pending and not policy.refresh_block:
             positions = self._sparse_window(req, seeds, outside=True)
@@ -153,45 +163,8 @@ class Scheduler:
             canvases[0].input_ids[rel] = req.mask_id
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
         return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
-                        cfg_scale=req.strategy.cfg_scale, is_refresh=refresh,
-                        want_stats=req.strategy.wants_stats or (
+                        cfg_scale=plan.cfg_scale, is_refresh=refresh,
+                        want_stats=plan.want_stats or (
                             req.kv_cache != "none" and req.refresh.policy.wants_mass),
-                        extra=req.strategy.extra_rows(req.state, req.canvas, req.block),
-                        embed_edit=req.strategy.embed_edits(req.state, req.canvas, req.block),
+                        extra=plan.extra, embed_edit=plan.embed_edit,
                         window_positions=positions)
-
-    def get(self, request_id: str) -> Request:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        raise KeyError(request_id)
-
-    # ---- after the forward -----------------------------------------------------------------
-    @staticmethod
-    def _note_written(req: Request, item: WorkItem) -> None:
-        """Record which token each written position's cached K/V now hold (override positions
-        keep their old K/V)."""
-        pos, ids = item.positions(), item.canvases[0].input_ids
-        if item.override:
-            keep = ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
-            pos, ids = pos[keep], ids[keep]
-        req.kv_tokens[pos] = ids
-
-    def update_from_output(self, out: SchedulerOutput, decisions: dict) -> list[Request]:
-        """Apply each request's decision; return the requests whose current block is complete."""
-        by_id = {r.request_id: r for r in self.running}
-        done = []
-        for item in out.items:
-            req, d = by_id[item.request_id], decisions[item.request_id]
-            self._note_written(req, item)
-            changed, revised = req.apply(item.view_start, d.commit, d.tokens, d.remask,
-                                         d.replace)
-            req.refresh.record(item.is_refresh, changed, revised)
-            m = req.metrics
-            m.nfe += 1
-            m.keeps += d.keeps
-            m.seeds_verified += d.verified
-            m.refreshes += int(item.is_refresh)
-            if req.strategy.block_done(req.state, req.block_masked()):
-                done.append(req)
-        return done

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cover_vllm.scheduler.output import EmbedEdit
+from cover_vllm.step_plan import EmbedEdit
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
 from cover_vllm.strategies.sampling import topk_mask

@@ -1,11 +1,14 @@
-"""The strategy interface: a pure, vectorised decision from logits rows and canvas state.
+"""The strategy interface: a vectorised decision from logits rows and canvas state.
 
-A strategy never sees the model, the cache or the scheduler. Each step the engine gives it a
-`StepBatch` for all its requests at once: the logits of the positions in each request's *view*
-(by default the current block), already taken from each position's predictor row (so Dream's
-shift is invisible here), plus the canvas tokens there. It returns a `Decision`: which positions to
-commit (with which token), remask or replace. Per-request memory lives in a state object the
-strategy creates and updates itself.
+A strategy never sees the model, the cache or the scheduler, and never writes a request: the
+engine's strategy stage (engine/strategy_stage.py) asks it what the next forward needs and for
+its decision, and the request applies that decision. Each step it gets a `StepBatch` for all its
+requests at once: the logits of the positions in each request's *view* (by default the current
+block), already taken from each position's predictor row (so Dream's shift is invisible here),
+plus the canvas tokens there. It returns a `Decision`: which positions to commit (with which
+token), remask or replace. The one thing it writes is its own per-request state
+(`BlockState.extra` / `memory`), created in `start_block` and advanced in `decide`; the other
+hooks read it (ASRD's `embed_edits` still records the slots it perturbed there).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.scheduler.output import EmbedEdit, ExtraRows
+from cover_vllm.step_plan import EmbedEdit, ExtraRows
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,9 @@ class BlockState:
 
     block_steps: int            # steps budgeted for the current block (fixed-schedule strategies)
     step: int = 0               # steps taken in the current block
-    extra: dict[str, Any] = field(default_factory=dict)   # strategy-owned memory
+    extra: Any = field(default_factory=dict)   # strategy-owned state of the current block, set
+                                               # by `start_block`: the strategy's dataclass
+                                               # (CoverState, ScheduleState, ...; ASRD: a dict)
     memory: dict[str, Any] = field(default_factory=dict)  # strategy-owned, kept across blocks
 
 

@@ -75,13 +75,47 @@ class CoverParams(StrategyParams):
             raise ValueError("decoding_params score weights must be >= 0")
 
 
-# Rows of a request's per-position memory, a float64 numpy array [6, block length] (counters
-# and flags hold integers): host-side bookkeeping of a few dozen numbers per request, where
-# numpy's per-call cost is a fraction of torch's. STALE: another position changed since this
-# token was last judged (drafted, replaced or kept by a check), so a check now would see a
-# context that judgement did not.
-AGE, CHECKS, CONF, DRIFT, ATTN_IN, STALE = range(6)
-_ROWS = 6
+MEMORY_FIELDS = ("age", "checks", "conf", "drift", "attn_in", "stale")
+
+
+@dataclass
+class CoverMemory:
+    """Per-position memory of the current block, each field [block_len] float64 (counters and
+    flags hold integers): host-side bookkeeping of a few dozen numbers per request, where numpy's
+    per-call cost is a fraction of torch's. The fields are rows of one array (`zeros`), so a
+    batch of requests stacks and updates them at once (`Cover._update_memory`)."""
+
+    age: np.ndarray        # forwards the token has been visible in (>= 1: its cached K/V hold
+                           # the visible version, so it can serve a leave-one-out check)
+    checks: np.ndarray     # leave-one-out checks it took part in
+    conf: np.ndarray       # probability it was last judged with (drafted, replaced or kept)
+    drift: np.ndarray      # EMA of its key's relative change at write-back
+    attn_in: np.ndarray    # attention mass still-masked rows put on it (last forward)
+    stale: np.ndarray      # 1: another position changed since it was last judged, so a check
+                           # now would see a context that judgement did not
+
+    @classmethod
+    def zeros(cls, length: int) -> "CoverMemory":
+        return cls(*np.zeros((len(MEMORY_FIELDS), length)))
+
+    def stacked(self) -> np.ndarray:
+        """[6, block_len] copy, rows in MEMORY_FIELDS order."""
+        return np.stack([getattr(self, name) for name in MEMORY_FIELDS])
+
+    def store(self, rows: np.ndarray) -> None:
+        """Overwrite every field in place from [6, block_len] rows in MEMORY_FIELDS order."""
+        for name, row in zip(MEMORY_FIELDS, rows):
+            getattr(self, name)[:] = row
+
+
+@dataclass
+class CoverState:
+    """COVER's per-request state in the current block (its BlockState.extra)."""
+
+    rho: float                           # seeds per step = ceil(rho * drafted last step)
+    drafted: int = 0                     # positions drafted in the last step
+    verify_steps: int = 0                # steps that ended with no [MASK] left in the block
+    memory: CoverMemory | None = None    # created on the first step (`Cover._memory`)
 
 
 def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -160,7 +194,7 @@ class Cover(Strategy):
         return self.params.w_influence > 0 or self.params.w_drift > 0
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
-        state.extra.update(mem=None, rho=self.params.rho_init, drafted=0, verify_steps=0)
+        state.extra = CoverState(rho=self.params.rho_init)
 
     def block_done(self, state: BlockState, num_masked: int) -> bool:
         """Done when no [MASK] is left and no token judged less sure than `final_verify_below`
@@ -169,38 +203,36 @@ class Cover(Strategy):
         a leave-one-out check."""
         if num_masked > 0:
             return False
-        extra, mem = state.extra, state.extra.get("mem")
-        if not self.params.final_verify or self.params.k_max == 0 or mem is None:
+        cover, p = state.extra, self.params
+        if not p.final_verify or p.k_max == 0 or cover.memory is None:
             return True
-        extra["verify_steps"] += 1
-        pending = bool(self._unverified(mem).any())
-        return not pending or extra["verify_steps"] > self.params.max_verify_steps
+        pending = bool(self._unverified(cover.memory).any())
+        return not pending or cover.verify_steps > p.max_verify_steps
 
-    def _unverified(self, mem: np.ndarray) -> np.ndarray:
+    def _unverified(self, mem: CoverMemory) -> np.ndarray:
         """[L] bool: committed tokens that must pass a check before their block ends: last
         judged (drafted, replaced or checked) less sure than `final_verify_below`, from a
         context that has changed since. A token drafted alone after which nothing changed was
         predicted from exactly its leave-one-out view; checking it would repeat the draft."""
-        return (mem[CONF] < self._verify_below) & (mem[STALE] > 0)
+        return (mem.conf < self._verify_below) & (mem.stale > 0)
 
     @staticmethod
-    def _memory(state: BlockState, length: int) -> np.ndarray:
-        """Per-position memory [_ROWS, length] of the current block (rows AGE..STALE), created
-        on first use."""
-        if state.extra.get("mem") is None:
-            state.extra["mem"] = np.zeros((_ROWS, length))
-        return state.extra["mem"]
+    def _memory(state: BlockState, length: int) -> CoverMemory:
+        """The current block's per-position memory, created on first use."""
+        if state.extra.memory is None:
+            state.extra.memory = CoverMemory.zeros(length)
+        return state.extra.memory
 
     # ---- before the forward ----------------------------------------------------------------
     def select_seeds(self, state: BlockState, block_tokens: torch.Tensor,
                      block_start: int) -> list[int]:
         p = self.params
-        mem, extra = self._memory(state, block_tokens.numel()), state.extra
+        mem, cover = self._memory(state, block_tokens.numel()), state.extra
         masked = _np(block_tokens) == self.spec.mask_token_id
-        visible = ~masked & (mem[AGE] >= 1)
+        visible = ~masked & (mem.age >= 1)
         cand = visible
         if p.max_verifications is not None:
-            cand = cand & (mem[CHECKS] < p.max_verifications)
+            cand = cand & (mem.checks < p.max_verifications)
         pending = None
         if not masked.any():
             # verification-only step: every token the block still waits for, first
@@ -210,12 +242,12 @@ class Cover(Strategy):
         if num == 0 or p.k_max == 0:
             return []
         if pending is None:
-            k = min(max(math.ceil(extra["rho"] * extra["drafted"]), p.k_min), p.k_max, num)
+            k = min(max(math.ceil(cover.rho * cover.drafted), p.k_min), p.k_max, num)
         else:
             k = min(max(int(pending.sum()), p.k_min), p.k_max, num)
         if k == num:                    # every candidate: no ranking needed
             return (block_start + np.flatnonzero(cand)).tolist()
-        u, d_in, drift = _minmax(np.stack((1.0 - mem[CONF], mem[ATTN_IN], mem[DRIFT])), cand)
+        u, d_in, drift = _minmax(np.stack((1.0 - mem.conf, mem.attn_in, mem.drift)), cand)
         score = p.w_uncertainty * u + p.w_influence * d_in + p.w_drift * drift
         if pending is not None:
             score = score + pending * 10.0
@@ -288,11 +320,11 @@ class Cover(Strategy):
         p = self.params
         n, width = batch.tokens.shape
         blk, draft = _np(batch.in_block), _np(draft)
-        m = np.zeros((n, _ROWS, width))
+        m = np.zeros((n, len(MEMORY_FIELDS), width))
         mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
         for i, mem in enumerate(mems):
-            m[i][:, blk[i]] = mem
-        age, checks, conf, drift, stale = (m[:, r] for r in (AGE, CHECKS, CONF, DRIFT, STALE))
+            m[i][:, blk[i]] = mem.stacked()
+        age, checks, conf, drift, attn_in, stale = (m[:, r] for r in range(len(MEMORY_FIELDS)))
         req, pos = seeds.req, seeds.pos
         revised = seeds.replace | seeds.remask
         fresh = draft.copy()                             # positions whose token changed
@@ -303,7 +335,7 @@ class Cover(Strategy):
             seen = visible & (age >= 1)                  # the cached key was a visible version
             drift[seen] = p.drift_beta * drift[seen] + (1 - p.drift_beta) * _np(batch.drift)[seen]
         if batch.attn_in is not None:
-            m[:, ATTN_IN] = _np(batch.attn_in)
+            attn_in[:] = _np(batch.attn_in)
         changed = fresh.sum(-1)                          # [n] positions changed this step
         # stale: something else changed since the last judgement; a kept seed was judged now
         stale[:] = np.where(fresh, changed[:, None] > 1,
@@ -321,13 +353,17 @@ class Cover(Strategy):
             row[fresh] = 0.0
         num_seeds = np.bincount(req, minlength=n)
         hits = np.bincount(req[revised], minlength=n)
+        # [MASK] left in each block once the decision is applied (remasks are block seeds)
+        left = (_np(batch.candidates).sum(-1) - drafted
+                + np.bincount(req[seeds.remask & blk[req, pos]], minlength=n))
         for i, (mem, st) in enumerate(zip(mems, batch.states)):
-            mem[:] = m[i][:, blk[i]]
-            extra = st.extra
+            mem.store(m[i][:, blk[i]])
+            cover = st.extra
             if num_seeds[i]:
                 hit = hits[i] / num_seeds[i]
                 if hit > p.hit_high:
-                    extra["rho"] = min(extra["rho"] * (1 + p.rho_eta), p.rho_max)
+                    cover.rho = min(cover.rho * (1 + p.rho_eta), p.rho_max)
                 elif hit < p.hit_low:
-                    extra["rho"] = max(extra["rho"] * (1 - p.rho_eta), p.rho_min)
-            extra["drafted"] = int(drafted[i])
+                    cover.rho = max(cover.rho * (1 - p.rho_eta), p.rho_min)
+            cover.drafted = int(drafted[i])
+            cover.verify_steps += int(left[i] == 0)

@@ -36,6 +36,17 @@ class DreamParams(StrategyParams):
             raise ValueError(f"decoding_params.alg_temp must be >= 0 or null, got {self.alg_temp}")
 
 
+@dataclass
+class RevealSchedule:
+    """Per-block state of the Dream algorithms: the share of masked slots each step reveals."""
+
+    fractions: list[float]          # [block_steps], from `reveal_fractions`
+
+    def fraction(self, step: int) -> float:
+        """The share revealed at `step`; past the grid, everything left."""
+        return self.fractions[step] if step < len(self.fractions) else 1.0
+
+
 def reveal_fractions(steps: int, eps: float) -> torch.Tensor:
     """[steps] float32 share 1 − s/t of the masked slots revealed at each step; 1 at the last."""
     grid = torch.linspace(1, eps, steps + 1)                 # float32, as the reference
@@ -46,8 +57,8 @@ def reveal_fractions(steps: int, eps: float) -> torch.Tensor:
 
 def transfer_count(batch: StepBatch) -> torch.Tensor:
     """[n] slots to reveal this step: floor(masked · fraction) in float32; past the grid, all."""
-    frac = torch.tensor([st.extra["fraction"][st.step] if st.step < len(st.extra["fraction"])
-                         else 1.0 for st in batch.states], dtype=torch.float32)
+    frac = torch.tensor([st.extra.fraction(st.step) for st in batch.states],
+                        dtype=torch.float32)
     return (batch.candidates.sum(-1).to(torch.float32) * frac).long()
 
 
@@ -101,7 +112,8 @@ class DreamDecoder(Strategy):
         return max_tokens                      # `diffusion_generate` has no blocks
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
-        state.extra["fraction"] = reveal_fractions(state.block_steps, self.params.eps).tolist()
+        state.extra = RevealSchedule(
+            reveal_fractions(state.block_steps, self.params.eps).tolist())
 
     @abstractmethod
     def confidence(self, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,6 @@ class Threshold(Strategy):
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
         linear_schedule(state, num_masked)
-        state.extra["carry"] = 0
 
     def decide(self, batch: StepBatch) -> Decision:
         tau, quota = self.params.threshold, self.spec.threshold_quota
@@ -64,13 +63,11 @@ class Threshold(Strategy):
     @staticmethod
     def _within_quota(batch: StepBatch, conf: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
         """Keep the commits among the top (quota + carry); carry the skipped ones (see above)."""
-        allowed = [st.extra["carry"] + (st.extra["schedule"][st.step]
-                                        if st.step < len(st.extra["schedule"]) else 0)
-                   for st in batch.states]
+        allowed = [st.extra.carry + st.extra.count(st.step, 0) for st in batch.states]
         top = topk_mask(conf, torch.tensor(allowed, dtype=torch.long))
         commit = commit & top
         for st, skipped in zip(batch.states, (top & ~commit).sum(-1).tolist()):
-            st.extra["carry"] = skipped
+            st.extra.carry = skipped
         return commit
 
 

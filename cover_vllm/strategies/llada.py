@@ -27,16 +27,29 @@ class LLaDAParams(StrategyParams):
             raise ValueError(f"decoding_params.cfg_scale must be >= 0, got {self.cfg_scale}")
 
 
+@dataclass
+class ScheduleState:
+    """Per-block state of the fixed-schedule rules (LLaDA; Fast-dLLM's Dream quota rule)."""
+
+    schedule: list[int]     # tokens to reveal at each step of the block
+    carry: int = 0          # quota rule: commits held back last step, allowed on top this step
+
+    def count(self, step: int, past_end: int) -> int:
+        """Tokens to reveal at `step`; `past_end` once the schedule is used up."""
+        return self.schedule[step] if step < len(self.schedule) else past_end
+
+
 def linear_schedule(state: BlockState, num_masked: int) -> None:
+    """LLaDA's schedule: the block's [MASK]s spread evenly over its steps, the first ones
+    taking the remainder."""
     base, rem = divmod(num_masked, state.block_steps)
-    state.extra["schedule"] = [base + (1 if i < rem else 0) for i in range(state.block_steps)]
+    state.extra = ScheduleState([base + (1 if i < rem else 0) for i in range(state.block_steps)])
 
 
 def scheduled_count(batch: StepBatch) -> torch.Tensor:
     """[n] tokens to reveal this step; past the schedule's end, everything left in the block."""
     left = batch.candidates.sum(-1)
-    counts = [st.extra["schedule"][st.step] if st.step < len(st.extra["schedule"]) else int(n)
-              for st, n in zip(batch.states, left.tolist())]
+    counts = [st.extra.count(st.step, int(n)) for st, n in zip(batch.states, left.tolist())]
     return torch.tensor(counts, dtype=torch.long)
 
 

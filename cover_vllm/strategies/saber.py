@@ -115,6 +115,13 @@ def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
     return torch.where((above.sum(-1) < n)[:, None], top, above)
 
 
+@dataclass
+class SaberState:
+    """Per-block state of Saber (its per-slot confidences live in BlockState.memory)."""
+
+    prefix_masked: int = 0  # [MASK]s left up to the block end after the last decision
+
+
 class Saber(Strategy):
     name = "saber"
     revises_done_blocks = True        # backtracking reaches every slot up to the block end
@@ -138,9 +145,12 @@ class Saber(Strategy):
     def view_start(self, block_start: int, prompt_len: int) -> int:
         return prompt_len          # every generation slot up to the block end can be revised
 
+    def start_block(self, state: BlockState, num_masked: int) -> None:
+        state.extra = SaberState()
+
     def block_done(self, state: BlockState, num_masked: int) -> bool:
         """Done when no [MASK] is left anywhere up to the block end (remasks reach back)."""
-        return num_masked == 0 and state.extra.get("prefix_masked", 0) == 0
+        return num_masked == 0 and state.extra.prefix_masked == 0
 
     def decide(self, batch: StepBatch) -> Decision:
         prefix = _up_to_block_end(batch)
@@ -151,7 +161,7 @@ class Saber(Strategy):
             tokens, reveal, revoke = self._llada_step(batch, prefix, unfilled)
         left = (unfilled & ~reveal) | revoke
         for st, m in zip(batch.states, left.sum(-1).tolist()):
-            st.extra["prefix_masked"] = int(m)
+            st.extra.prefix_masked = int(m)
         return Decision(commit=reveal & ~revoke, tokens=tokens, remask=revoke & ~reveal)
 
     # ---- generate_with_saber (LLaDA) -----------------------------------------------------------

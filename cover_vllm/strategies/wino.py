@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cover_vllm.scheduler.output import ExtraRows
+from cover_vllm.step_plan import ExtraRows
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
 from cover_vllm.strategies.sampling import token_prob, topk_mask
@@ -89,12 +89,19 @@ def shadow_prob(batch: StepBatch) -> torch.Tensor:
     return out
 
 
+@dataclass
+class WinoState:
+    """Per-block state of WINO."""
+
+    last_accept: int        # drafts accepted last step (sizes this step's Wide-In budget)
+
+
 class Wino(Strategy):
     name = "wino"
     params_cls = WinoParams
 
     def start_block(self, state: BlockState, num_masked: int) -> None:
-        state.extra["last_accept"] = self.params.initial_last_accept
+        state.extra = WinoState(last_accept=self.params.initial_last_accept)
 
     def extra_rows(self, state: BlockState, canvas: torch.Tensor,
                    block: tuple[int, int]) -> ExtraRows | None:
@@ -127,11 +134,11 @@ class Wino(Strategy):
         checked = batch.in_block & ~batch.masked & batch.valid & torch.isfinite(back)
         checked &= (num_accept > 1)[:, None]
         low = checked & (back < p.threshold_back)
-        last = torch.tensor([st.extra["last_accept"] for st in batch.states], dtype=torch.long)
+        last = torch.tensor([st.extra.last_accept for st in batch.states], dtype=torch.long)
         num_low = low.sum(-1)
         cap = torch.where(num_low >= last, last - 1, num_low)
         remask = topk_mask((-back).masked_fill(~low, -INF), cap)
         for st, k in zip(batch.states, num_accept.tolist()):
-            st.extra["last_accept"] = k
+            st.extra.last_accept = k
         return Decision(commit=commit, tokens=tokens, remask=remask,
                         keeps=(checked & ~remask).sum(-1), verified=checked.sum(-1))

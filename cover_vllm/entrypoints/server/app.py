@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server import serving
+from cover_vllm.entrypoints.server.client import EngineClient
 from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestError
 from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
@@ -115,20 +116,8 @@ async def chat_completions(request: Request):
     return await serving.create_chat_completion(_ctx(request), request, req)
 
 
-def health_problem(loop: Any) -> str | None:
-    """None when every engine can serve; else why not (a dead TP worker or DP replica)."""
-    if isinstance(loop, EngineLoop):
-        return loop.health()
-    if not loop.is_alive:
-        return "no data-parallel engine replica is alive"
-    dead = [str(c["index"]) for c in loop.replica_counts() if not c["alive"]]
-    if dead:
-        return f"data-parallel replica {', '.join(dead)} died (the others still serve)"
-    return None
-
-
 async def health(request: Request) -> Response:
-    problem = health_problem(_ctx(request).loop)
+    problem = _ctx(request).loop.health()
     if problem is None:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
@@ -185,15 +174,16 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         if not isinstance(engine, EngineConfig):
             raise TypeError("data_parallel_size > 1 needs an EngineConfig, not an Engine: "
                             "every replica builds its own engine")
-        from cover_vllm.engine.dp_router import DPRouter
+        from cover_vllm.entrypoints.server.dp_router import DPRouter
 
         resolved = resolve_model(config.model)
         max_model_len = ModelSpec.from_config(resolved.config).max_model_len
         default_max_tokens = resolved.max_new_tokens()
         tokenizer = _server_tokenizer(config.model)   # before the replicas: fail early
-        loop: EngineLoop | DPRouter = DPRouter(config, data_parallel_size,
-                                               error_cls=EngineRequestError, metrics=stats)
-        stats.watch_replicas(loop.replica_counts)
+        router = DPRouter(config, data_parallel_size, error_cls=EngineRequestError,
+                          metrics=stats)
+        stats.watch_replicas(router.replica_counts)
+        loop: EngineClient = router
     else:
         if isinstance(engine, EngineConfig):
             engine = Engine(engine)

@@ -21,57 +21,34 @@ from cover_vllm.entrypoints.server.app import MAX_BODY_BYTES, build_app
 
 @dataclass(frozen=True)
 class ServeArgs:
-    model: str
+    """What `cover-vllm serve` runs: the engine's config (every engine option, EngineConfig)
+    and the server's own settings."""
+
+    engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    decoding: str = "cover"
-    kv_cache: str = "dual"
-    cache_refresh: str = "block"
-    max_num_seqs: int = 64
     api_key: str | None = None
     served_model_name: str | None = None
-    load_format: str = "auto"
-    threads: int | None = None
-    seed: int = 0
     max_body_bytes: int = MAX_BODY_BYTES
     log_level: str = "info"
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
     data_parallel_size: int = 1
     ray_address: str | None = None
-    dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    memory_utilization: float = 0.9
 
     @property
     def needs_ray(self) -> bool:
-        return self.data_parallel_size > 1 or self.distributed_executor_backend == "ray"
-
-
-def make_config(args: ServeArgs) -> EngineConfig:
-    return EngineConfig(model=args.model, decoding=args.decoding, kv_cache=args.kv_cache,
-                        cache_refresh=args.cache_refresh, max_num_seqs=args.max_num_seqs, load_format=args.load_format,
-                        num_threads=args.threads, seed=args.seed,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        distributed_executor_backend=args.distributed_executor_backend,
-                        dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        memory_utilization=args.memory_utilization)
-
-
-def make_engine(args: ServeArgs) -> Engine:
-    return Engine(make_config(args))
+        return (self.data_parallel_size > 1
+                or self.engine.distributed_executor_backend == "ray")
 
 
 def make_app(args: ServeArgs):
     """The app for `args`: one Engine, or a DPRouter over `data_parallel_size` replicas."""
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
-    config = make_config(args)                    # validates before any process starts
     if args.ray_address is not None and not args.needs_ray:
         logging.getLogger(__name__).warning(
             "ray_address is ignored: nothing uses Ray without data_parallel_size > 1 or "
             "distributed_executor_backend='ray'")
-    source = config if args.data_parallel_size > 1 else Engine(config)
+    source = args.engine if args.data_parallel_size > 1 else Engine(args.engine)
     return build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
                      data_parallel_size=args.data_parallel_size)
 

@@ -15,22 +15,19 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cover_vllm.entrypoints.server.engine_loop import (EngineLoop, EngineRequestError,
-                                                       RequestStream, Submission)
+from cover_vllm.engine.driver import EngineRequestError, Submission
+from cover_vllm.entrypoints.server.client import EngineClient, ResultStream
 from cover_vllm.entrypoints.server.errors import (APIError, from_value_error, model_not_found,
                                                   server_error)
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest, SamplingFields
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
-
-if TYPE_CHECKING:
-    from cover_vllm.engine.dp_router import DPRouter
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +36,7 @@ logger = logging.getLogger(__name__)
 class ServingContext:
     """What the routes need besides the engine thread (never the engine itself)."""
 
-    loop: EngineLoop | DPRouter    # same interface: start/stop/is_alive/submit/abort
+    loop: EngineClient             # EngineLoop (one engine) or DPRouter (replicas)
     model_name: str
     tokenizer: Any | None          # the server's own copy (the engine thread uses the engine's)
     max_model_len: int
@@ -105,8 +102,8 @@ def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
 
 
 async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams]) -> list[RequestStream]:
-    streams: list[RequestStream] = []
+                     params: list[SamplingParams]) -> list[ResultStream]:
+    streams: list[ResultStream] = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params)):
             streams.append(await ctx.loop.submit(Submission(f"{base_id}-{i}", ids, p)))
@@ -121,7 +118,7 @@ async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]]
     return streams
 
 
-async def _final(stream: RequestStream) -> RequestOutput:
+async def _final(stream: ResultStream) -> RequestOutput:
     while True:
         out = await stream.get()
         if out.finished:
@@ -133,7 +130,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def collect(ctx: ServingContext, streams: list[RequestStream],
+async def collect(ctx: ServingContext, streams: list[ResultStream],
                   request: Request) -> list[RequestOutput] | None:
     """Every stream's finished output, or None when the client went away first (aborted)."""
     results = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
@@ -156,7 +153,7 @@ async def collect(ctx: ServingContext, streams: list[RequestStream],
                 ctx.loop.abort(s.request_id)
 
 
-async def merged_deltas(streams: list[RequestStream], partial: bool
+async def merged_deltas(streams: list[ResultStream], partial: bool
                         ) -> AsyncIterator[tuple[int, str, RequestOutput]]:
     """(prompt index, new stable text, output) as outputs arrive from any stream."""
     sent = [""] * len(streams)
@@ -210,7 +207,7 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _event_stream(ctx: ServingContext, head: dict, streams: list[RequestStream],
+async def _event_stream(ctx: ServingContext, head: dict, streams: list[ResultStream],
                         req: SamplingFields, chat: bool) -> AsyncIterator[str]:
     partial = streams_partial(ctx, streams[0].submission.params)
     started, finished, outs = set(), set(), []

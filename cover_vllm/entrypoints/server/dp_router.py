@@ -1,11 +1,8 @@
-"""DPRouter: N engine replicas (Ray actors, engine/dp_replica.py) behind one least-loaded router.
+"""DPRouter: N engine replicas (Ray actors, dp_replica.py) behind one least-loaded router.
 
 Data-parallel serving (`cover-vllm serve --data-parallel-size N`). The router is asyncio-side
-and offers the interface of the server's engine loop, so the server can hold either:
-
-    start() / stop(timeout) / is_alive
-    await submit(submission) -> stream     submission: .request_id, .prompt_token_ids, .params
-    abort(request_id)                      stream: .request_id, .submission, await .get()
+and implements the EngineClient protocol (client.py), like the server's engine loop, so the
+server can hold either.
 
 A request goes to the live replica with the fewest requests in flight (ties: lowest index) and
 stays there. One asyncio task per replica long-polls it for outputs and routes them to the
@@ -23,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cover_vllm.config import EngineConfig
-from cover_vllm.engine.dp_replica import EngineReplica
+from cover_vllm.engine.driver import Submission
+from cover_vllm.entrypoints.server.dp_replica import EngineReplica
 from cover_vllm.executor.ray_ranks import ensure_ray, ray_module
 from cover_vllm.outputs import RequestOutput
 
@@ -33,7 +31,7 @@ READY_TIMEOUT_S = 600.0
 class ReplicaStream:
     """One request's outputs (or its error), in arrival order."""
 
-    def __init__(self, submission: Any, replica: int):
+    def __init__(self, submission: Submission, replica: int):
         self.submission, self.replica = submission, replica
         self._queue: asyncio.Queue = asyncio.Queue()
 
@@ -86,7 +84,7 @@ class DPRouter:
             raise RuntimeError(f"a data-parallel engine replica failed to start: "
                                f"{_brief(exc)}") from None
 
-    # ---- the engine-loop interface ---------------------------------------------------------
+    # ---- the EngineClient protocol ---------------------------------------------------------
     def start(self) -> None:
         """Start the poll tasks if an event loop runs here (else on the first submit)."""
         try:
@@ -99,7 +97,16 @@ class DPRouter:
     def is_alive(self) -> bool:
         return not self._stopped and any(r.alive for r in self._replicas)
 
-    async def submit(self, submission: Any) -> ReplicaStream:
+    def health(self) -> str | None:
+        """None when every replica can serve; else why not (a dead replica)."""
+        if not self.is_alive:
+            return "no data-parallel engine replica is alive"
+        dead = [str(r.index) for r in self._replicas if not r.alive]
+        if dead:
+            return f"data-parallel replica {', '.join(dead)} died (the others still serve)"
+        return None
+
+    async def submit(self, submission: Submission) -> ReplicaStream:
         self._ensure_polling()
         live = [r for r in self._replicas if r.alive]
         if self._stopped or not live:
@@ -110,8 +117,7 @@ class DPRouter:
         self._streams[stream.request_id] = stream
         try:
             await replica.actor.add_request.remote(
-                submission.request_id, {"prompt_token_ids": list(submission.prompt_token_ids)},
-                submission.params)
+                submission.request_id, list(submission.prompt_token_ids), submission.params)
         except Exception as exc:
             self._forget(stream)
             cause = _cause(exc)

@@ -1,0 +1,70 @@
+"""Step observers: the official hook for timing or recording engine steps (benchmarks, tests).
+
+`Engine.add_observer(obs)` / `remove_observer(obs)`. Each step the engine calls, in order:
+
+    on_schedule(out)             the packed SchedulerOutput, before the forward
+    on_decide(strategy, batch)   before each vectorised `decide` (batch.states not yet updated)
+    on_step(record)              after the step: its StepRecord (phase laps and batch shape)
+
+An observer reads what it is handed and changes nothing; the engine pays for the record only
+while an observer is attached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cover_vllm.flops import item_shape
+
+PHASES = ("schedule", "prepare", "forward", "strategy", "update")
+
+
+@dataclass
+class StepRecord:
+    """One step's wall-clock phases (seconds) and the shape of its batch."""
+
+    schedule: float       # admission, the strategies' plans, packing
+    prepare: float        # the runner laying out the batch (its share of the executor call)
+    forward: float        # the model forward (the executor call minus `prepare`)
+    strategy: float       # the strategies' decisions
+    update: float         # applying them: canvases, blocks, stop checks, outputs
+    num_tokens: int       # query rows of the forward
+    num_seqs: int         # work items
+    num_refresh: int      # of which refreshes
+    attn_pairs: int       # (query, key) pairs attended
+    logit_rows: int       # rows through the LM head
+
+    @classmethod
+    def of(cls, laps: dict[str, float], prepare_s: float, out) -> "StepRecord":
+        shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
+        return cls(schedule=laps["schedule"], prepare=prepare_s,
+                   forward=laps["forward"] - prepare_s, strategy=laps["strategy"],
+                   update=laps["update"], num_tokens=sum(t for t, _, _ in shapes),
+                   num_seqs=len(out.items), num_refresh=sum(i.is_refresh for i in out.items),
+                   attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class StepObserver:
+    """Base of step observers: every hook does nothing; override the ones you need."""
+
+    def on_schedule(self, out) -> None:
+        """The step's packed SchedulerOutput, before the forward."""
+
+    def on_decide(self, strategy, batch) -> None:
+        """A strategy is about to decide for `batch` (a StepBatch)."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """The step ended; `record` holds its timings."""
+
+
+class StepTimes(StepObserver):
+    """Collects every step's record as a dict (phase seconds and batch shape) in `rows`."""
+
+    def __init__(self, rows: list[dict] | None = None):
+        self.rows = [] if rows is None else rows
+
+    def on_step(self, record: StepRecord) -> None:
+        self.rows.append(record.as_dict())

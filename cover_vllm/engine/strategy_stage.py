@@ -1,0 +1,70 @@
+"""StrategyStage: the engine's one owner of strategies — which instance serves a request, what
+each request asks of the next forward (`plan`), and the decisions after it (`decide`).
+
+The scheduler never calls a strategy: it packs the plans into work items. Instances are shared
+by every request with the same (name, params), so one vectorised `decide` serves them all; the
+cache keeps the `max_strategies` most recently used (a server sees unboundedly many distinct
+`decoding_params`). An evicted instance stays alive in the requests that hold it, and a request
+built later gets a fresh, equal one: decisions never depend on the batch, so tokens are the same.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from cover_vllm.engine.decide import run_strategies
+from cover_vllm.models.spec import ModelSpec
+from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.scheduler.request import Request
+from cover_vllm.step_plan import RowDecision, StepPlan
+from cover_vllm.strategies import Strategy, make_params, strategy_class
+
+MAX_STRATEGIES = 64
+
+
+class StrategyStage:
+    def __init__(self, spec: ModelSpec, default_decoding: str,
+                 max_strategies: int = MAX_STRATEGIES):
+        strategy_class(default_decoding)                   # fail early on a bad default
+        self.spec, self.default_decoding = spec, default_decoding
+        self.max_strategies = max_strategies
+        self._cache: OrderedDict[tuple, Strategy] = OrderedDict()
+
+    def strategy(self, name: str | None, params) -> Strategy:
+        """The shared instance for strategy `name` (None: the engine's default) with
+        `params` (None, a dict or the typed dataclass; ValueError / TypeError if invalid)."""
+        name = name or self.default_decoding
+        key = (name, make_params(name, params))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
+            self._cache[key] = strategy_class(name)(key[1], self.spec)
+            if len(self._cache) > self.max_strategies:
+                self._cache.popitem(last=False)
+        return self._cache[key]
+
+    @staticmethod
+    def plan(requests: list[Request]) -> list[StepPlan]:
+        """What each running request's strategy asks of the next forward (its seeds are
+        picked here, from the state its last `decide` left)."""
+        return [_plan(req) for req in requests]
+
+    @staticmethod
+    def decide(out: SchedulerOutput, requests: dict[str, Request], result,
+               observers=()) -> dict[str, RowDecision]:
+        """Every request's decision from the forward's ModelRunnerOutput `result`: one
+        vectorised `decide` per strategy instance (each observer's `on_decide` sees the batch
+        first)."""
+        return run_strategies(out, requests, result, observers)
+
+
+def _plan(req: Request) -> StepPlan:
+    strategy, state = req.strategy, req.state
+    start, end = req.block
+    return StepPlan(
+        view_start=strategy.view_start(start, req.prompt_len),
+        seeds=strategy.select_seeds(state, req.canvas[start:end], start),
+        extra=strategy.extra_rows(state, req.canvas, req.block),
+        embed_edit=strategy.embed_edits(state, req.canvas, req.block),
+        cfg_scale=strategy.cfg_scale, want_stats=strategy.wants_stats,
+        masked_rows_only=strategy.masked_rows_only)

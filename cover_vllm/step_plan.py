@@ -1,0 +1,75 @@
+"""StepPlan and RowDecision: what a request's strategy asks of its next forward, and what it
+decided after it. A plan may carry more than the window: extra query rows (ExtraRows) and
+input-embedding edits (EmbedEdit).
+
+A neutral module: the strategies build these, the engine's strategy stage makes the plans, the
+scheduler packs them into work items and the runner executes them, so it sits below all four
+and imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExtraRows:
+    """Query rows run alongside a window that are never part of the canvas (WINO's shadow block).
+
+    They are queries only: their K/V are never written to the cache and no window row sees them.
+    Row e sees canvas column j where `allowed[e, j]` and extra row f where `allowed[e, L + f]`.
+    Their logits come back raw (row e's own output; no predictor-row shift is applied).
+    """
+
+    input_ids: torch.Tensor      # [E] tokens of the extra rows
+    positions: torch.Tensor      # [E] their RoPE positions (may repeat canvas positions)
+    allowed: torch.Tensor        # [E, L + E] bool: canvas key columns, then extra-row columns
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class EmbedEdit:
+    """Per-position input-embedding edits, applied by the runner right after `model.embed`:
+
+        e_p <- e_p + sum_k mix_weights[n, k] * embed(mix_ids[n, k])  +  perturb[n] * |e_p| * u_n
+
+    (p = positions[n]; u_n a unit vector orthogonal to e_p, drawn from torch.Generator(seed), so a
+    request's edit never depends on its batch). Positions must lie in the window; the edited
+    positions' fresh K/V are written to the cache like any other window position.
+    """
+
+    positions: torch.Tensor      # [N] canvas positions (inside the window)
+    mix_ids: torch.Tensor        # [N, K] token ids whose embeddings are added
+    mix_weights: torch.Tensor    # [N, K] float weights (0 = unused slot)
+    perturb: torch.Tensor        # [N] float: orthogonal perturbation size relative to |e_p|
+    seed: int = 0
+
+
+@dataclass
+class StepPlan:
+    """One request's strategy inputs to its next forward, made before packing."""
+
+    view_start: int                   # first canvas position whose logits `decide` needs
+    seeds: list[int]                  # positions verified in this forward (masked in its input)
+    extra: ExtraRows | None           # extra query rows (WINO's shadow block)
+    embed_edit: EmbedEdit | None      # input-embedding edits (ASRD)
+    cfg_scale: float                  # > 0: an unconditional canvas copy runs too
+    want_stats: bool                  # the strategy reads KV drift / attention in-mass
+    masked_rows_only: bool            # `decide` reads only [MASK] rows and seeds: may be sparse
+
+
+@dataclass
+class RowDecision:
+    """One request's decision after a forward, view-relative ([view_len] tensors)."""
+
+    commit: torch.Tensor              # [view_len] bool: [MASK] -> tokens
+    tokens: torch.Tensor              # [view_len] long
+    remask: torch.Tensor | None       # [view_len] bool: committed -> [MASK]
+    replace: torch.Tensor | None      # [view_len] bool: committed -> another token, in place
+    keeps: int                        # verified tokens left unchanged
+    verified: int                     # positions checked this step
