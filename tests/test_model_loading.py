@@ -266,3 +266,26 @@ def test_cover_tiny_loads_without_importing_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     imported, _seconds = out.stdout.split()
     assert imported == "False"
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
+def test_fused_projections_equal_separate_ones_and_never_go_stale(family):
+    """Loading fuses q/k/v and gate/up into one GEMM each (their weights become views of one
+    tensor); the logits equal the unfused layers', and a weight re-allocated behind the fused
+    tensor's back (as `model.to(...)` does) makes the group fall back to separate GEMMs."""
+    from cover_vllm.models.layers import FusedLinears
+
+    golden = Path(__file__).parent / "fixtures" / "golden" / family / "model"
+    model = load_model(golden)
+    groups = [g for m in model.modules() if hasattr(m, "fused_groups") for g in m.fused_groups()]
+    assert groups and all(isinstance(g, FusedLinears) and g._fused() for g in groups)
+    ids = torch.arange(24).reshape(2, 12) % 200
+    with torch.no_grad():
+        fused = model(ids)
+        first = groups[0].linears[0]
+        first.weight.data = first.weight.data.clone()          # no longer a slice
+        assert not groups[0]._fused()
+        for g in groups:
+            g.weight = None                                    # every group unfused
+        separate = model(ids)
+    assert (fused - separate).abs().max().item() <= 1e-5

@@ -106,7 +106,7 @@ class FusedLinears:
 
     @property
     def sizes(self) -> list[int]:
-        return [lin.out_features for lin in self.linears]
+        return [lin.weight.shape[0] for lin in self.linears]     # the (sharded) rows
 
     @torch.no_grad()
     def fuse(self, copy: bool = True) -> None:
