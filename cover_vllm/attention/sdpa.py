@@ -41,7 +41,10 @@ class SDPABackend(AttentionBackend):
         self.override = override
 
     def _mask_overrides(self, q: torch.Tensor) -> bool:
-        return self.override == "mask" or (self.override == "auto" and q.device.type == "cpu")
+        """`auto`: the mask on CPU (and on "meta", whose shapes-only run cannot take the closed
+        form's data-dependent `unique`), the closed form elsewhere."""
+        return self.override == "mask" or (self.override == "auto"
+                                           and q.device.type in ("cpu", "meta"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -38,8 +38,8 @@ def apply_embed_edits(embed, embeds: torch.Tensor,
             mix = mix.view(*edit.mix_ids.shape, -1)                          # [N, K, D]
             weights = edit.mix_weights.to(device=embeds.device, dtype=torch.float32)
             e = e + (weights[..., None] * mix).sum(1)
-        eps = edit.perturb.to(device=embeds.device, dtype=torch.float32)
-        if bool((eps != 0).any()):
+        if bool((edit.perturb != 0).any()):                  # decided on the host copy
+            eps = edit.perturb.to(device=embeds.device, dtype=torch.float32)
             base = embeds[flat].float()
             e = e + eps[:, None] * base.norm(dim=-1, keepdim=True) * orthogonal_unit(base,
                                                                                     edit.seed)

@@ -47,18 +47,34 @@ class _Layout:
 
 
 class _Stats:
-    """Collects drift and attention in-mass on one layer during the forward."""
+    """Collects drift and attention in-mass on one layer during the forward (on the model's
+    device; `to_host` brings them back for the strategies)."""
 
-    def __init__(self, layer: int, rows: torch.Tensor, num_tokens: int):
-        self.layer, self.rows, self.any_rows = layer, rows, bool(rows.any())
-        self.drift = torch.zeros(num_tokens)
+    def __init__(self, layer: int, rows: torch.Tensor, num_tokens: int, device: torch.device):
+        self.layer, self.any_rows = layer, bool(rows.any())
+        self.rows = rows.to(device)
+        self.drift = torch.zeros(num_tokens, device=device)
         self.attn_in: torch.Tensor | None = None     # [B, Kmax]; None: no masked row
+
+    def to_host(self) -> _Stats:
+        self.drift = to_host(self.drift)
+        self.attn_in = None if self.attn_in is None else to_host(self.attn_in)
+        return self
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A forward's result on the CPU, where the scheduler and strategies work. On the "meta"
+    device (a shapes-only dry run, tests/test_device.py) it is zeros of the same shape."""
+    if t.device.type == "meta":
+        return torch.zeros(t.shape, dtype=t.dtype)
+    return t.cpu()
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, cache: KVCache):
         self.model, self.backend, self.cache = model, backend, cache
         self.shift = model.spec.logit_shift
+        self.device = cache.k[0].device         # the model's: every tensor it sees is built here
 
     def _layout(self, out: SchedulerOutput) -> _Layout:
         lay = _Layout()
@@ -119,32 +135,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Lay the batch out on the host, move it to the model's device once, run the forward
+        there, and bring back only the logits (and statistics) the strategies read."""
         start = time.perf_counter()
+        device = self.device
         lay = self._layout(out)
-        ids, stat_rows = torch.cat(lay.ids), torch.cat(lay.stat_rows)
-        meta = build_metadata(lay.seqs)
+        ids = torch.cat(lay.ids).to(device)
+        positions = torch.cat(lay.positions).to(device)
+        meta = build_metadata(lay.seqs, device)
+        extra_rows = [r for r in lay.extra_rows if r is not None]
+        logit_rows = torch.cat(lay.rows + extra_rows).to(device)
         prepare_s = time.perf_counter() - start
-        cache, backend = self.cache, self.backend
         stats = None
         if any(item.want_stats for item in out.items):
-            stats = _Stats(self.model.dims.num_layers - 1, stat_rows, ids.numel())
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if stats is None or layer != stats.layer:
-                return backend.forward(q, k, v, cache.layer(layer), meta)
-            old = cache.k[layer].index_select(0, meta.write_slots)
-            o, keys = backend.forward(q, k, v, cache.layer(layer), meta, return_keys=True)
-            stats.drift[meta.write_index] = key_drift(k[meta.write_index], old)
-            if stats.any_rows:                 # else no row is still masked: no mass to measure
-                stats.attn_in = attention_in_mass(q, keys, meta, stats.rows)
-            return o
-
+            stats = _Stats(self.model.dims.num_layers - 1, torch.cat(lay.stat_rows),
+                           ids.numel(), device)
         embeds = self.model.embed(ids)
         if lay.edits:
-            embeds = apply_embed_edits(self.model.embed, embeds, lay.edits)
-        hidden = self.model.forward_tokens(embeds, torch.cat(lay.positions), attn)
-        extra_rows = [r for r in lay.extra_rows if r is not None]
-        logits = self.model.compute_logits(hidden[torch.cat(lay.rows + extra_rows)]).float()
+            edits = [(flat.to(device), edit) for flat, edit in lay.edits]
+            embeds = apply_embed_edits(self.model.embed, embeds, edits)
+        hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+        logits = to_host(self.model.compute_logits(hidden.index_select(0, logit_rows)).float())
         per_canvas = list(logits.split([r.numel() for r in lay.rows + extra_rows]))
         for c, valid in enumerate(lay.row_valid):           # sparse windows: zero logits for
             if valid is not None:                           # view rows not in the window
@@ -163,10 +174,28 @@ class ModelRunner:
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
             return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
-        drift, attn_in, mass, columns = self._split_stats(out, stats)
+        drift, attn_in, mass, columns = self._split_stats(out, stats.to_host())
         return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
                                  extra_logits=extra_logits, cached_mass=mass,
                                  column_mass=columns)
+
+    def _attention(self, meta, stats: _Stats | None):
+        """The AttentionFn of one forward: the paged backend over this runner's cache, which
+        also records the statistics on their layer."""
+        cache, backend = self.cache, self.backend
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if stats is None or layer != stats.layer:
+                return backend.forward(q, k, v, cache.layer(layer), meta)
+            old = cache.k[layer].index_select(0, meta.write_slots)
+            o, keys = backend.forward(q, k, v, cache.layer(layer), meta, return_keys=True)
+            written = k.index_select(0, meta.write_index)
+            stats.drift.index_copy_(0, meta.write_index, key_drift(written, old))
+            if stats.any_rows:                 # else no row is still masked: no mass to measure
+                stats.attn_in = attention_in_mass(q, keys, meta, stats.rows)
+            return o
+
+        return attn
 
     @staticmethod
     def _view_values(item: WorkItem, values: torch.Tensor) -> torch.Tensor:

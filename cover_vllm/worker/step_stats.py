@@ -35,6 +35,6 @@ def attention_in_mass(q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetada
                           expand_kv_heads(keys, num_heads).permute(0, 2, 3, 1).float())
     probs = torch.softmax(scores * head_dim ** -0.5 + meta.key_bias(torch.float32), dim=-1)
     # weight 1/H for each selected real row (padded rows of the [B, Qmax] layout weigh 0)
-    weight = torch.zeros(b * q_max).index_copy_(
+    weight = torch.zeros(b * q_max, device=q.device).index_copy_(
         0, meta.out_index, rows[:meta.num_window_tokens].float() / num_heads)
     return torch.matmul(weight.view(b, 1, 1, q_max), probs).sum(1)[:, 0]
