@@ -26,6 +26,7 @@ from typing import Any
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel
+from cover_vllm.executor.step_delta import StepDecoder
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
@@ -42,6 +43,7 @@ class ShardWorker:
         self.rank = rank
         self.comm = GroupComm(rank, world_size, config.device, config.distributed_timeout_s)
         self.worker = Worker(config, resolved, spec, TensorParallel(rank, world_size, self.comm))
+        self.steps = StepDecoder()
 
     def info(self) -> dict[str, int]:
         return {"pid": os.getpid(), "num_pages": self.worker.num_pages}
@@ -55,10 +57,11 @@ class ShardWorker:
     def connect(self, host: str, port: int) -> None:
         self.comm.connect(host, port)
 
-    def execute_model(self, out: SchedulerOutput) -> str | None:
-        """None on success; else the traceback, and this process exits EXIT_DELAY_S later."""
+    def execute_model(self, message: SchedulerOutput) -> str | None:
+        """Run the step the driver encoded (executor/step_delta.py). None on success; else the
+        traceback, and this process exits EXIT_DELAY_S later."""
         try:
-            self.worker.execute_model(out)
+            self.worker.execute_model(self.steps.decode(message))
             return None
         except BaseException:
             threading.Timer(EXIT_DELAY_S, os._exit, args=(1,)).start()

@@ -1,7 +1,7 @@
 """TPExecutor: one tensor-parallel group; rank 0 (the driver) runs in the engine process.
 
 Each step the driver sends the SchedulerOutput to ranks 1..N-1 (a control message through the
-RemoteRanks transport), runs its own shard of the same forward — the row-parallel all-reduces
+RemoteRanks transport; page tables the ranks already hold are left out, executor/step_delta.py), runs its own shard of the same forward — the row-parallel all-reduces
 through torch.distributed keep the ranks in lock-step — then collects the ranks' empty replies.
 Only the driver's logits are used: the strategy runs once, in the engine process, and its
 decision reaches the ranks inside the next SchedulerOutput.
@@ -20,6 +20,7 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from cover_vllm.executor.base import ExecutorError, RemoteRankError, RemoteRanks, WorkerDiedError
+from cover_vllm.executor.step_delta import StepEncoder
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model
 from cover_vllm.models.spec import ModelSpec
@@ -38,6 +39,7 @@ class TPExecutor:
         check_tensor_parallel(build_model(spec, device="meta"), world)   # before any process
         self.world_size, self.timeout_s = world, config.distributed_timeout_s
         self.ranks = ranks
+        self.steps = StepEncoder()
         self._error: ExecutorError | None = None
         self._closed = False
         self.comm = GroupComm(0, world, config.device, self.timeout_s)
@@ -84,7 +86,7 @@ class TPExecutor:
         self.check_health()
         pending = None
         try:
-            pending = self.ranks.call("execute_model", out)
+            pending = self.ranks.call("execute_model", self.steps.encode(out))
             result = self.driver.execute_model(out)
             self.ranks.wait(pending, self.timeout_s)
         except Exception as exc:
