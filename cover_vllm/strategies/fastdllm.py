@@ -25,8 +25,8 @@ from cover_vllm.strategies.sampling import token_prob, topk_mask
 
 def _candidate_confidence(batch: StepBatch,
                           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, logits = propose(batch)
     candidates = batch.candidates
+    tokens, logits = propose(batch, rows=candidates)
     conf = token_prob(logits, tokens, dtype, rows=candidates)
     return tokens, conf.masked_fill(~candidates, float("-inf"))
 

@@ -53,14 +53,18 @@ def scheduled_count(batch: StepBatch) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.long)
 
 
-def propose(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def propose(batch: StepBatch, rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens [n, W] (Gumbel-max at T > 0, drawn from the top-k / top-p filtered
     logits) and the model's own logits [n, W, V], which every confidence is read from:
     truncation shapes sampling only, never the bars decoders compare against (at T = 0 the
-    candidates, and so the decisions, do not depend on top_p / top_k)."""
+    candidates, and so the decisions, do not depend on top_p / top_k). With `rows` ([n, W]
+    bool) a greedy row's token is taken only there (elsewhere 0: for decoders that read no
+    other row)."""
     filtered = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
     lengths = batch.valid.sum(-1).tolist()
-    return gumbel_candidates(filtered, batch.temperature, batch.generators, lengths), batch.logits
+    tokens = gumbel_candidates(filtered, batch.temperature, batch.generators, lengths, rows)
+    return tokens, batch.logits
 
 
 class LowConfidence(Strategy):
@@ -81,8 +85,8 @@ class LowConfidence(Strategy):
         return token_prob(logits, tokens, torch.float32, rows=batch.candidates)
 
     def decide(self, batch: StepBatch) -> Decision:
-        tokens, logits = propose(batch)
         candidates = batch.candidates
+        tokens, logits = propose(batch, rows=candidates)
         conf = self.confidence(batch, tokens, logits).to(torch.float64)
         conf = conf.masked_fill(~candidates, float("-inf"))
         return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)

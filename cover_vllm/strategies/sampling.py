@@ -24,13 +24,19 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 
 def gumbel_candidates(logits: torch.Tensor, temperature: torch.Tensor,
-                      generators: list[torch.Generator], lengths: list[int]) -> torch.Tensor:
+                      generators: list[torch.Generator], lengths: list[int],
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
     """argmax of LLaDA's float64 Gumbel-max perturbation exp(l) / (-log u)^T; greedy rows at T=0.
 
     logits [n, W, V] -> tokens [n, W]. Noise for request i covers only its own `lengths[i]` view
-    rows and comes from its own generator, so batching never changes a request's draws.
+    rows and comes from its own generator, so batching never changes a request's draws. With
+    `rows` ([n, W] bool) the greedy argmax is taken only there (0 elsewhere).
     """
-    tokens = logits.argmax(dim=-1)
+    if rows is None:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.zeros(logits.shape[:2], dtype=torch.long)
+        tokens[rows] = logits[rows].argmax(dim=-1)
     for i in (temperature > 0).nonzero().flatten().tolist():
         row = logits[i, : lengths[i]].double()
         u = torch.rand(row.shape, dtype=torch.float64, generator=generators[i])
