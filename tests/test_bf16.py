@@ -142,3 +142,22 @@ def test_bf16_cover_tiny_keeps_fp32_tokens():
         same += sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"]))
         total += len(prompts)
     assert total == 60 and same >= 57
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_bf16_weights_give_the_same_bits_and_replace_the_plain_ones(family):
+    """An engine's CPU bf16 worker packs every projection group for oneDNN
+    (`pack_projections`): the logits are bit-identical and the plain weights are freed."""
+    from cover_vllm.models.layers import pack_projections, projection_groups
+
+    golden = load_file(str(GOLDEN / family / "forward.safetensors"))
+    model = load_model(GOLDEN / family / "model", "bfloat16")
+    before = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        plain = model(golden["input_ids"])
+        groups = len(projection_groups(model))
+        assert pack_projections(model) == groups > 0
+        packed = model(golden["input_ids"])
+    assert torch.equal(plain, packed)
+    assert sum(p.numel() for p in model.parameters()) < before / 4     # embeddings, norms left
+    assert pack_projections(load_model(GOLDEN / family / "model", "float32")) == 0   # bf16 only

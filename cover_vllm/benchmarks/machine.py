@@ -57,14 +57,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def matmul_params_per_token(model: torch.nn.Module, dims: ModelDims) -> int:
-    """Weights every token multiplies through: all matrices but embedding and head (an MoE
-    counts every expert, so its MFU is an upper bound)."""
-    total = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
-    head_and_embed = 2 * dims.vocab_size * dims.hidden_size
-    return total - head_and_embed
-
-
 def step_flops(dims: ModelDims, params_per_token: int, timing: dict) -> float:
     """Model FLOPs of one engine step from its recorded shape (cover_vllm/flops.py)."""
     model = FlopModel(params_per_token, 4 * dims.num_layers * dims.num_heads * dims.head_dim,

@@ -18,8 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name, machine_info,
-                                            matmul_params_per_token, pin_threads,
-                                            step_flops)
+                                            pin_threads, step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
@@ -140,7 +139,7 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float) -> d
                                  work.output_len, model.spec.mask_token_id)
         tokens += work.useful_tokens(out)
     seconds = time.perf_counter() - start
-    per_token = matmul_params_per_token(model, model.dims)
+    per_token = llm.engine.flop_model.params_per_token      # whole model, even if packed
     flops = sum(work.output_len * dense_forward_flops(model.dims, per_token,
                                                       len(ids) + work.output_len)
                 for ids in prompts)             # one full forward per step, output_len steps
@@ -158,7 +157,7 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams):
     outs = llm.generate(work.prompts, sp, use_tqdm=False)
     seconds = time.perf_counter() - start
     times, engine.step_times = engine.step_times, None
-    per_token = matmul_params_per_token(engine.executor.model, engine.executor.model.dims)
+    per_token = engine.flop_model.params_per_token
     total = sum(t["schedule"] + t["prepare"] + t["forward"] + t["strategy"] + t["update"]
                 for t in times)
     flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)

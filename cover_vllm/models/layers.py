@@ -89,6 +89,9 @@ class Rotation:
         return torch.cat([out, x_pass], dim=-1).to(x.dtype)
 
 
+PACK_MAX_BYTES = 256 << 20     # largest group packed: its copy is transient extra memory
+
+
 class FusedLinears:
     """Linear layers that read the same input, run as one GEMM.
 
@@ -103,10 +106,32 @@ class FusedLinears:
         self.linears = linears
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None    # oneDNN-blocked weight (`pack`)
 
     @property
     def sizes(self) -> list[int]:
         return [lin.weight.shape[0] for lin in self.linears]     # the (sharded) rows
+
+    @torch.no_grad()
+    def pack(self) -> bool:
+        """Replace the fused weight by oneDNN's blocked copy of it (CPU, bf16): the GEMM then
+        skips re-blocking the weight on every call, 1.5-2.4x faster at 32 rows on this
+        project's machine, with the same bits. The plain weights are freed (the layers keep
+        zero-row placeholders), so memory does not grow beyond one group's copy while it is
+        made; a group above PACK_MAX_BYTES (a 7-8B model's LM head, 1 GB) stays plain for that
+        reason. Only an inference engine should call this. Returns whether it packed."""
+        if (not self._fused() or self.weight.device.type != "cpu"
+                or self.weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
+                or self.weight.numel() * self.weight.element_size() > PACK_MAX_BYTES):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        self.weight = None
+        for lin in self.linears:
+            lin.weight = nn.Parameter(lin.weight.new_empty(0, lin.in_features),
+                                      requires_grad=False)
+        if len(self.linears) == 1:      # a lone layer is still called as a module (its forward
+            self.linears[0].forward = self.__call__    # hooks, e.g. TP's all-reduce, still run)
+        return True
 
     @torch.no_grad()
     def fuse(self, copy: bool = True) -> None:
@@ -147,6 +172,8 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, sum(out)]: the layers' outputs side by side, from one GEMM."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self._fused():
             return torch.cat([lin(x) for lin in self.linears], dim=-1)
         return F.linear(x, self.weight, self.bias)
@@ -160,13 +187,25 @@ def _is_rows(t: torch.Tensor | None, fused: torch.Tensor, start: int) -> bool:
     return t.data_ptr() == fused.data_ptr() + offset
 
 
+def projection_groups(model: nn.Module) -> list[FusedLinears]:
+    """Every `FusedLinears` of the modules that group their projections (`fused_groups()`)."""
+    groups = []
+    for module in model.modules():
+        of = getattr(module, "fused_groups", None)
+        if callable(of):
+            groups += of()
+    return groups
+
+
 def fuse_projections(model: nn.Module, copy: bool = True) -> None:
     """Fuse the projections of every module that groups them (`fused_groups()`)."""
-    for module in model.modules():
-        groups = getattr(module, "fused_groups", None)
-        if callable(groups):
-            for group in groups():
-                group.fuse(copy)
+    for group in projection_groups(model):
+        group.fuse(copy)
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack every fused group for oneDNN (`FusedLinears.pack`); returns how many were packed."""
+    return sum(group.pack() for group in projection_groups(model))
 
 
 class SwiGLU(nn.Module):
@@ -179,9 +218,10 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        self.down = FusedLinears(self.down_proj)
 
     def fused_groups(self) -> list[FusedLinears]:
-        return [self.gate_up]
+        return [self.gate_up, self.down]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_up(x)))
@@ -218,9 +258,10 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(hd, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(hd, qk_norm_eps) if qk_norm_eps is not None else None
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.out = FusedLinears(self.o_proj)
 
     def fused_groups(self) -> list[FusedLinears]:
-        return [self.qkv]
+        return [self.qkv, self.out]
 
     def forward(self, h: torch.Tensor, layer: int, rot: Rotation,
                 attn: AttentionFn) -> torch.Tensor:
@@ -293,6 +334,10 @@ class StackedLM(nn.Module, ABC):
         self.spec, self.dims, self.model, self.rope, self.tied = spec, dims, stack, rope, tied
         if not tied:
             self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+            self.head = FusedLinears(self.lm_head)
+
+    def fused_groups(self) -> list[FusedLinears]:
+        return [] if self.tied else [self.head]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]."""
@@ -305,8 +350,9 @@ class StackedLM(nn.Module, ABC):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] raw (unshifted) logits."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.tied:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor,

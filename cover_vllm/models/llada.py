@@ -49,9 +49,11 @@ class LLaDABlock(nn.Module):
         self.ff_out = nn.Linear(mlp, d, bias=bias)
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.gate_up = FusedLinears(self.ff_proj, self.up_proj)
+        self.out = FusedLinears(self.attn_out)
+        self.down = FusedLinears(self.ff_out)
 
     def fused_groups(self) -> list[FusedLinears]:
-        return [self.qkv, self.gate_up]
+        return [self.qkv, self.gate_up, self.out, self.down]
 
     def forward(self, x: torch.Tensor, layer: int, rot: Rotation,
                 attn: AttentionFn) -> torch.Tensor:
@@ -79,6 +81,7 @@ class LLaDAModelLM(nn.Module):
         self.tied = bool(cfg.get("weight_tying", False))
         if not self.tied:
             t.ff_out = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
+            self.head = FusedLinears(t.ff_out)
         self.model.transformer = t
         self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0))
 
@@ -92,10 +95,12 @@ class LLaDAModelLM(nn.Module):
             x = block(x, i, rot, attn)
         return self.model.transformer.ln_f(x)
 
+    def fused_groups(self) -> list[FusedLinears]:
+        return [] if self.tied else [self.head]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         t = self.model.transformer
-        weight = t.wte.weight if self.tied else t.ff_out.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, t.wte.weight) if self.tied else t.ff_out(hidden)
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

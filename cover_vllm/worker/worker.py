@@ -10,6 +10,7 @@ from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.distributed.tensor_parallel import param_slices
+from cover_vllm.models.layers import pack_projections
 from cover_vllm.models.loader import (build_model, load_into, materialize, resolve_dtype,
                                       weight_source)
 from cover_vllm.models.spec import ModelSpec
@@ -55,7 +56,8 @@ class Worker:
         materialize(model, device)                              # this rank's shard only
         load_into(model, source, slices)
         if torch.device(device).type == "cpu":
-            keep_activations_on_heap()                          # after the weights: see there
+            pack_projections(model)             # bf16: oneDNN-blocked weights, same bits
+            keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)
         num_pages = max(1, budget // (per_token * config.page_size))
