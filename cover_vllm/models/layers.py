@@ -64,10 +64,6 @@ class RotaryEmbedding(nn.Module):
         sin[..., :half].neg_()          # rotate_half(x) * sin == roll(x, r/2) * [-sin, sin]
         return Rotation(emb.cos(), sin, self.rotary_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]."""
-        return self.at(positions)(x)
-
 
 class Rotation:
     """RoPE angles of one forward's tokens: cos and the signed sin [T, 1, r], fp32."""
