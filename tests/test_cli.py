@@ -4,6 +4,7 @@ token-id prompts, defaults in --help, and a thread default that does not oversub
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,10 +63,34 @@ def test_help_shows_defaults(capsys):
 def test_thread_default_never_oversubscribes(monkeypatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     assert threads.default_num_threads(hidden_size=128) == 1          # tiny: dispatch-bound
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda: 0.1)
     assert threads.default_num_threads(hidden_size=4096) == 2         # idle machine
     assert threads.default_num_threads(hidden_size=4096, num_ranks=2) == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda: 1.2)
     assert threads.default_num_threads(hidden_size=4096) == 1         # another job runs
-    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda: 7.0)
     assert threads.default_num_threads(hidden_size=4096) == 1
+
+
+def test_busy_cores_leave_out_this_process(monkeypatch):
+    """Machine-wide busy time minus this process's own, as cores: 80 busy jiffies of 100 on
+    2 cores, 30 of them this process's -> 1.0 core busy elsewhere."""
+    readings = iter([(1000, 5000, 10), (1080, 5100, 40)])
+    monkeypatch.setattr(threads, "_busy_jiffies", lambda: next(readings))
+    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    assert threads.busy_cores_elsewhere() == pytest.approx(1.0)
+
+
+def test_busy_cores_see_another_process():
+    """A process spinning beside this one shows up while this one sleeps; anything else running
+    only adds to the count."""
+    if threads._busy_jiffies() is None:
+        pytest.skip("no /proc on this system")
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)                                        # the child is running
+        assert threads.busy_cores_elsewhere(window_s=0.5) >= 0.5
+    finally:
+        spin.kill()
+        spin.wait()

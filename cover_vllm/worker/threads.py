@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -25,14 +26,45 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def _busy_jiffies() -> tuple[int, int, int] | None:
+    """(busy, total) CPU jiffies of the whole machine from /proc/stat, and this process's own
+    (utime + stime, every thread) from /proc/self/stat; None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+    total = sum(fields[:8])                                             # guest time is in user
+    return total - idle, total, int(own[11]) + int(own[12])
+
+
+def busy_cores_elsewhere(window_s: float = 0.25) -> float:
+    """Cores kept busy by other processes, sampled over `window_s` now (/proc/stat minus this
+    process's own time). The 1-minute load average is the fallback: it lags a finished job by
+    minutes (a bench started right after an install saw load 0.9 on an idle machine and took
+    one thread of two) and counts this process's own work."""
+    before = _busy_jiffies()
+    if before is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(window_s)
+    after = _busy_jiffies()
+    busy, total, own = (a - b for a, b in zip(after, before))
+    if total <= 0:
+        return 0.0
+    cores = os.cpu_count() or 1
+    return max(0.0, (busy - own) / total * cores)
+
+
 def default_num_threads(hidden_size: int, num_ranks: int = 1) -> int:
-    """1 for a tiny model; else the usable cores not already busy (the 1-minute load average
-    counts the runnable processes), shared among `num_ranks` tensor-parallel processes."""
+    """1 for a tiny model; else the usable cores not busy with other processes right now,
+    shared among `num_ranks` tensor-parallel processes."""
     if hidden_size < TINY_HIDDEN_SIZE:
         return 1
     cores = usable_cores()
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    free = max(1, round(cores - busy))
+    free = max(1, round(cores - busy_cores_elsewhere()))
     return max(1, min(cores, free) // max(1, num_ranks))
 
 
