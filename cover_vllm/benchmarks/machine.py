@@ -12,6 +12,7 @@ from cover_vllm.models.base import ModelDims
 
 
 PEAK_GEMM_SIZE = 2048     # the square GEMM whose rate is the MFU denominator
+STREAM_BYTES = 256 << 20  # the tensor read by the bandwidth probe: well past any cache
 
 
 def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = PEAK_GEMM_SIZE,
@@ -30,6 +31,37 @@ def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = PEAK_G
     return 2 * size ** 3 / best / 1e9
 
 
+def measure_read_gbps(nbytes: int = STREAM_BYTES, seconds: float = 0.5) -> float:
+    """Sustained memory read rate (GB/s): the best of repeated fp32 sums over `nbytes`, with
+    the current torch thread count. A forward streams every weight once, so at small batches
+    this, not the GEMM peak, bounds the step (`mfu_bound`)."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        start = time.perf_counter()
+        x.sum()
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+    return nbytes / best / 1e9
+
+
+def mfu_bound(flops: float, weight_bytes: float, peak_gflops: float, read_gbps: float) -> float:
+    """The highest MFU a run that spent `flops` while streaming `weight_bytes` of weights can
+    reach on this machine (the roofline): its arithmetic intensity times the read rate, over
+    the GEMM peak, capped at 1."""
+    if weight_bytes <= 0:
+        return 1.0
+    return min(1.0, flops / weight_bytes * read_gbps / peak_gflops)
+
+
+def forward_weight_bytes(model: FlopModel, dtype: torch.dtype) -> float:
+    """Bytes of weights one forward reads: every matrix a token multiplies through and the LM
+    head (the embedding table is only gathered from)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return float((model.params_per_token + model.head_per_row // 2) * itemsize)
+
+
 def pin_threads(model: str, requested: int | None) -> int:
     """Set the torch threads a benchmark of `model` runs with (`requested`, else the engine's
     default for that model and the machine's load) before the peak-rate probe, so the probe
@@ -42,14 +74,17 @@ def pin_threads(model: str, requested: int | None) -> int:
     return apply_num_threads(requested, spec.hidden_size)
 
 
-def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> dict:
-    """Cores, threads, torch version and the peak GEMM rate (GFLOP/s) in fp32 and in every
-    dtype of `dtypes`, keyed by dtype name."""
+def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+                 read_rate: bool = True) -> dict:
+    """Cores, threads, torch version, the peak GEMM rate (GFLOP/s) in fp32 and in every dtype
+    of `dtypes`, keyed by dtype name, and the memory read rate (GB/s; `read_rate=False` skips
+    its 256 MiB probe, e.g. where peak memory is being measured)."""
     peaks = {}
     for dtype in dict.fromkeys((torch.float32, *dtypes)):
         peaks[dtype_name(dtype)] = round(measure_matmul_gflops(dtype), 1)
     return {"cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "matmul_gflops": peaks}
+            "torch": torch.__version__, "matmul_gflops": peaks,
+            "read_gbps": round(measure_read_gbps(), 1) if read_rate else None}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

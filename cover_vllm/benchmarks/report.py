@@ -14,7 +14,8 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
            ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("remasks", "{:.2f}"),
            ("flip_flops", "{:.2f}"), ("peak_kv_pages", "{}"), ("overhead_fraction", "{:.1%}"),
-           ("mfu", "{:.1%}"), ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
+           ("mfu", "{:.1%}"), ("mfu_bound", "{:.1%}"), ("mbu", "{:.1%}"),
+           ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
            ("flops_per_token", "{:.4g}")]
 
 
@@ -35,7 +36,8 @@ def format_markdown(report: dict, command: str) -> str:
     refs = [(name, ref) for name, ref in report["reference"].items() if ref]
     ref_lines = [f"reference loop ({name}; dense, no cache, batch 1, 1 token/step): "
                  f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s), "
-                 f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%}"
+                 f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%} "
+                 f"(bound {ref['mfu_bound']:.1%})"
                  for name, ref in refs] or ["reference loop: not run"]
     if refs:
         ref_lines.append("(`flop_ratio_vs_reference` is the speed-up a row would show at the "
@@ -44,7 +46,7 @@ def format_markdown(report: dict, command: str) -> str:
         f"# cover-vllm bench throughput: {report['model']}", "",
         f"`{command}`", "",
         f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
-        f"measured peak {PEAK_GEMM}: {peaks}", "", "  \n".join(ref_lines), "",
+        f"measured peak {PEAK_GEMM}: {peaks}; memory read {m.get('read_gbps')} GB/s", "", "  \n".join(ref_lines), "",
         format_table(report["results"]), ""])
 
 

@@ -17,8 +17,11 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name, machine_info,
-                                            pin_threads, step_flops)
+import torch
+
+from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
+                                           forward_weight_bytes, machine_info, mfu_bound,
+                                           pin_threads, step_flops)
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
@@ -76,6 +79,9 @@ class ThroughputRow:
                                             # speed-up at equal MFU
     refreshes: float = 0.0             # full-canvas forwards per request
     flops_per_token: float = 0.0       # model FLOPs / generated slots (cover_vllm/flops.py)
+    mfu_bound: float = 1.0             # the roofline: the highest MFU these forwards can reach
+                                       # streaming their weights at the measured read rate
+    mbu: float = 0.0                   # weight bytes read per second / the measured read rate
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -127,7 +133,8 @@ class Workload:
         return len(ids) if cut is None else cut + 1
 
 
-def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float) -> dict | None:
+def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
+                  read_gbps: float) -> dict | None:
     """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
     model = llm.engine.executor.model
     if count <= 0 or model.spec.logit_shift != 0:
@@ -143,10 +150,13 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float) -> d
     flops = sum(work.output_len * dense_forward_flops(model.dims, per_token,
                                                       len(ids) + work.output_len)
                 for ids in prompts)             # one full forward per step, output_len steps
-    return {"dtype": dtype_name(next(model.parameters()).dtype),
+    dtype = next(model.parameters()).dtype
+    streamed = work.output_len * len(prompts) * forward_weight_bytes(llm.engine.flop_model, dtype)
+    return {"dtype": dtype_name(dtype),
             "tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
             "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
-            "mfu": flops / seconds / (peak_gflops * 1e9)}
+            "mfu": flops / seconds / (peak_gflops * 1e9),
+            "mfu_bound": mfu_bound(flops, streamed, peak_gflops, read_gbps)}
 
 
 def _measure(llm: LLM, work: Workload, sp: SamplingParams):
@@ -162,7 +172,7 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams):
                 for t in times)
     flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
     overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
-    return outs, seconds, overhead, flops
+    return outs, seconds, overhead, flops, len(times)
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
@@ -182,11 +192,12 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                       num_threads=threads, dtype=name)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             if name not in report["reference"] and spec.reference_prompts:
-                ref = run_reference(llm, work, spec.reference_prompts, peak)
+                ref = run_reference(llm, work, spec.reference_prompts, peak,
+                                    machine["read_gbps"])
                 report["reference"][name] = ref
                 if ref:
                     log(f"  reference loop ({name}): {ref['tokens_per_s']:.1f} tok/s  "
-                        f"MFU {ref['mfu']:.0%}")
+                        f"MFU {ref['mfu']:.0%} (bound {ref['mfu_bound']:.0%})")
             _run_batch(spec, llm, work, name, peak, report, log)
     return report
 
@@ -196,12 +207,15 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
     """Every (decoding, cache, refresh) row of one engine (one dtype and batch size)."""
     bs = llm.engine.config.max_num_seqs
     ref = report["reference"].get(dtype) or {}
+    read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
     for decoding in spec.decodings:
         for kv, refresh in caches:
-            outs, seconds, overhead, flops = _measure(
+            outs, seconds, overhead, flops, forwards = _measure(
                 llm, work, work.params(spec, decoding, (kv, refresh)))
+            streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
+                                                       getattr(torch, dtype))
             ms = [o.metrics for o in outs]
             tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
             gflops = flops / max(tokens, 1) / 1e9
@@ -222,9 +236,12 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
                 seconds=seconds, gflops_per_token=gflops,
                 flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
                 refreshes=statistics.mean(m.refreshes for m in ms),
-                flops_per_token=flops_per_token(ms))
+                flops_per_token=flops_per_token(ms),
+                mfu_bound=mfu_bound(flops, streamed, peak, read_gbps),
+                mbu=streamed / seconds / (read_gbps * 1e9))
             report["results"].append(asdict(row))
             log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-                f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%}  refreshes "
+                f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "
+                f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
                 f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
                 f"{overhead:.0%}  ({seconds:.1f}s)")
