@@ -1,7 +1,6 @@
 """The command line as a newcomer meets it: defaults from the model, clear usage errors (exit 2),
 token-id prompts, defaults in --help, and a thread default that does not oversubscribe."""
 
-import os
 import subprocess
 import sys
 import time

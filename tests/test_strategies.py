@@ -195,3 +195,33 @@ def test_default_block_length(dream_dir, name, blocks):
     params = SamplingParams(max_tokens=2 * spec.default_block_length, decoding=name)
     req = Request("r", None, [1, 2, 3], params, strategy, torch.Generator(), "none")
     assert len(req.blocks) == blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_greedy_scored_proposal_matches_the_general_path(dtype):
+    """`propose_scored`'s greedy fast path (one compact copy of the candidate rows) gives the
+    bits of `propose` + `token_prob`, ties included (logits rounded through bf16 tie often)."""
+    from cover_vllm.strategies.llada import propose, propose_scored
+    from cover_vllm.strategies.sampling import token_prob
+
+    gen = torch.Generator().manual_seed(0)
+    n, w, v = 5, 12, 300
+    logits = (torch.randn(n, w, v, generator=gen) * 3).to(torch.bfloat16).float()
+    logits[1, 2] = 0.0                                     # a row that is all one tie
+    rows = torch.rand(n, w, generator=gen) < 0.6
+
+    def batch(temperature: float) -> StepBatch:
+        return StepBatch(
+            logits=logits, tokens=torch.full((n, w), MASK), valid=torch.ones(n, w, dtype=bool),
+            in_block=torch.ones(n, w, dtype=bool), is_gen=torch.ones(n, w, dtype=bool),
+            states=[None] * n, temperature=torch.full((n,), temperature, dtype=torch.float64),
+            top_p=torch.ones(n, dtype=torch.float64), top_k=torch.full((n,), -1),
+            generators=[torch.Generator().manual_seed(i) for i in range(n)], mask_id=MASK)
+
+    tokens, probs = propose_scored(batch(0.0), rows, dtype)
+    ref_tokens, ref_logits = propose(batch(0.0), rows=rows)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(probs, token_prob(ref_logits, ref_tokens, dtype, rows=rows))
+    assert int(tokens[1, 2]) == 0 or not bool(rows[1, 2])     # first index of the tie
+    hot_tokens, hot_probs = propose_scored(batch(1.0), rows, dtype)   # the general path
+    assert hot_probs.dtype == dtype and bool((hot_probs[rows] > 0).all())

@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
-from cover_vllm.strategies.llada import linear_schedule, propose, scheduled_count
-from cover_vllm.strategies.sampling import token_prob, topk_mask
+from cover_vllm.strategies.llada import linear_schedule, propose_scored, scheduled_count
+from cover_vllm.strategies.sampling import topk_mask
 
 
 def _candidate_confidence(batch: StepBatch,
                           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     candidates = batch.candidates
-    tokens, logits = propose(batch, rows=candidates)
-    conf = token_prob(logits, tokens, dtype, rows=candidates)
+    tokens, conf = propose_scored(batch, candidates, dtype)
     return tokens, conf.masked_fill(~candidates, float("-inf"))
 
 

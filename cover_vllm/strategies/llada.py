@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
-from cover_vllm.strategies.sampling import (filter_top_k_top_p, gumbel_candidates, token_prob,
-                                            topk_mask)
+from cover_vllm.strategies.sampling import (filter_top_k_top_p, greedy, gumbel_candidates,
+                                            take_rows, token_prob, topk_mask)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,24 @@ def propose(batch: StepBatch, rows: torch.Tensor | None = None
     return tokens, batch.logits
 
 
+def propose_scored(batch: StepBatch, rows: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`propose(batch, rows)`'s tokens and each one's softmax probability in `dtype` on `rows`
+    (0 elsewhere): the same values as `token_prob`. When every request decodes greedily and
+    untruncated (the common case) both read one compact copy of the rows."""
+    if bool((batch.temperature > 0).any() or (batch.top_k > 0).any()
+            or (batch.top_p < 1.0).any()):
+        tokens, logits = propose(batch, rows=rows)
+        return tokens, token_prob(logits, tokens, dtype, rows=rows)
+    picked = take_rows(batch.logits, rows)                                   # [N, V]
+    best = greedy(picked)
+    tokens = torch.zeros(rows.shape, dtype=torch.long)
+    tokens[rows] = best
+    probs = torch.zeros(rows.shape, dtype=dtype)
+    probs[rows] = torch.softmax(picked.to(dtype), dim=-1).gather(-1, best[:, None]).squeeze(-1)
+    return tokens, probs
+
+
 class LowConfidence(Strategy):
     name = "low_confidence"
     masked_rows_only = True
@@ -80,25 +98,24 @@ class LowConfidence(Strategy):
     def start_block(self, state: BlockState, num_masked: int) -> None:
         linear_schedule(state, num_masked)
 
-    def confidence(self, batch: StepBatch, tokens: torch.Tensor,
-                   logits: torch.Tensor) -> torch.Tensor:
-        return token_prob(logits, tokens, torch.float32, rows=batch.candidates)
+    def scored_proposal(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate tokens [n, W] and the confidence [n, W] they are ranked by."""
+        return propose_scored(batch, batch.candidates, torch.float32)
 
     def decide(self, batch: StepBatch) -> Decision:
         candidates = batch.candidates
-        tokens, logits = propose(batch, rows=candidates)
-        conf = self.confidence(batch, tokens, logits).to(torch.float64)
-        conf = conf.masked_fill(~candidates, float("-inf"))
+        tokens, conf = self.scored_proposal(batch)
+        conf = conf.to(torch.float64).masked_fill(~candidates, float("-inf"))
         return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
 
 
 class RandomRemasking(LowConfidence):
     name = "random"
 
-    def confidence(self, batch: StepBatch, tokens: torch.Tensor,
-                   logits: torch.Tensor) -> torch.Tensor:
+    def scored_proposal(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniform draws over each request's own view, so batching never changes the stream."""
+        tokens, _ = propose(batch, rows=batch.candidates)
         conf = torch.zeros(tokens.shape, dtype=torch.float32)
         for i, (g, n) in enumerate(zip(batch.generators, batch.valid.sum(-1).tolist())):
             conf[i, :n] = torch.rand(n, generator=g)
-        return conf
+        return tokens, conf
