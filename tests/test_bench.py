@@ -9,6 +9,7 @@ import pytest
 
 from cover_vllm import LLM
 from cover_vllm.benchmarks.latency import run_latency, run_verification_cost
+from cover_vllm.benchmarks.machine import mfu_bound
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.engine.observer import StepObserver
 from cover_vllm.entrypoints.cli import main
@@ -31,7 +32,7 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
     report = json.loads(paths["json"].read_text())
     peaks = report["machine"]["matmul_gflops"]
     assert report["machine"]["cores"] >= 1 and set(peaks) == {"float32", "bfloat16"}
-    assert all(rate > 0 for rate in peaks.values())
+    assert all(rate > 0 for rate in peaks.values()) and report["machine"]["read_gbps"] > 0
     for dtype, ref in report["reference"].items():
         assert ref["dtype"] == dtype and ref["tokens_per_s"] > 0 and ref["gflops_per_token"] > 0
         assert 0 < ref["mfu"] < 2
@@ -48,6 +49,12 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
         assert 0 <= r["overhead_fraction"] < 1 and r["mfu"] > 0
         assert r["speedup_vs_reference"] > 0 and r["flop_ratio_vs_reference"] > 0
         assert r["nfe_per_token"] > 0
+        # MFU / MBU is the run's FLOPs per weight byte x read rate / peak: the unclamped bound
+        assert 0 < r["mfu_bound"] <= 1 and r["mbu"] > 0
+        if r["mfu_bound"] < 1:
+            assert r["mfu"] == pytest.approx(r["mbu"] * r["mfu_bound"], rel=1e-6)
+        else:
+            assert r["mfu"] >= r["mbu"] * (1 - 1e-6)
     # a cached window costs fewer FLOPs per token than the dense full-canvas reference forward
     lowconf_none, lowconf_dual = rows[0], rows[1]
     assert lowconf_dual["gflops_per_token"] < lowconf_none["gflops_per_token"]
@@ -161,3 +168,11 @@ def test_latency_phases_add_up_to_the_wall_clock():
         llm.generate([prompt], params, use_tqdm=False)
     mine_ms = 1e3 * (time.perf_counter() - start) / 2
     assert 0.33 < row["request_ms"] / mine_ms < 1.5
+
+
+def test_mfu_bound_is_the_roofline():
+    """32 rows through bf16 weights: 32 FLOPs a byte; at 30 GB/s against a 3,000 GFLOP/s peak
+    that is 32 % of the peak, and a wide batch is capped at 100 %."""
+    params = 1_000_000
+    assert mfu_bound(2 * 32 * params, 2 * params, 3000.0, 30.0) == pytest.approx(0.32)
+    assert mfu_bound(2 * 512 * params, 2 * params, 3000.0, 30.0) == 1.0
