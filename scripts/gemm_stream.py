@@ -23,11 +23,14 @@ from cover_vllm.worker.allocator import keep_activations_on_heap
 
 
 def _linear(dtype: torch.dtype):
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)  # noqa: E731
-        run = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
-        return pack, run
-    return (lambda w: w), torch.nn.functional.linear
+    """(pack, run): oneDNN-prepacked weights in bf16, plain `F.linear` otherwise."""
+    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return (lambda w: w), torch.nn.functional.linear
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)), run
 
 
 def _best(fn, repeats: int) -> float:
@@ -67,7 +70,8 @@ def main() -> None:
     peak = measure_matmul_gflops(dtype)
     read = measure_read_gbps()
     print(f"{args.model}: {layers} layers, {params / 1e6:.1f} M projection parameters, {dtype}, "
-          f"{args.threads} threads; peak 2048³ GEMM {peak:.0f} GFLOP/s, memory read {read:.1f} GB/s")
+          f"{args.threads} threads; peak 2048³ GEMM {peak:.0f} GFLOP/s, memory read "
+          f"{read:.1f} GB/s")
     for t in (int(x) for x in args.tokens.split(",")):
         xs = {i: torch.randn(t, i).to(dtype) for i in {i for _, i in shapes}}
 
@@ -83,8 +87,8 @@ def main() -> None:
         hot = 2 * t * sum(o * i for o, i in shapes) / _best(one_layer, 50) / 1e9
         cold = 2 * t * params / _best(forward, 10) / 1e9
         bound = min(peak, 2 * t / torch.empty((), dtype=dtype).element_size() * read)
-        print(f"  {t:>5} tokens: one layer repeated {hot:7.0f} GFLOP/s ({hot / peak:4.0%} of peak)   "
-              f"streamed {cold:7.0f} GFLOP/s ({cold / peak:4.0%})   read-rate bound "
+        print(f"  {t:>5} tokens: one layer repeated {hot:7.0f} GFLOP/s ({hot / peak:4.0%} "
+              f"of peak)   streamed {cold:7.0f} GFLOP/s ({cold / peak:4.0%})   read-rate bound "
               f"{bound:7.0f} ({bound / peak:4.0%})")
 
 

@@ -46,7 +46,8 @@ def format_markdown(report: dict, command: str) -> str:
         f"# cover-vllm bench throughput: {report['model']}", "",
         f"`{command}`", "",
         f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
-        f"measured peak {PEAK_GEMM}: {peaks}; memory read {m.get('read_gbps')} GB/s", "", "  \n".join(ref_lines), "",
+        f"measured peak {PEAK_GEMM}: {peaks}; memory read {m.get('read_gbps')} GB/s", "",
+        "  \n".join(ref_lines), "",
         format_table(report["results"]), ""])
 
 

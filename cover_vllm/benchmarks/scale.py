@@ -90,8 +90,7 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
     load_s = time.perf_counter() - start
     plan = llm.engine.memory
     report = {"spec": dataclasses.asdict(spec), "machine": machine_info(read_rate=False),
-              "load_s": load_s,
-              "load_format": load_format, "weight_bytes": plan.weight_bytes,
+              "load_s": load_s, "load_format": load_format, "weight_bytes": plan.weight_bytes,
               "kv_bytes": plan.kv_bytes, "kv_pages": plan.num_pages,
               "page_size": plan.page_size, "canvases": plan.canvases,
               "canvas_tokens": plan.canvas_tokens,
