@@ -77,12 +77,9 @@ def propose_scored(batch: StepBatch, rows: torch.Tensor,
         tokens, logits = propose(batch, rows=rows)
         return tokens, token_prob(logits, tokens, dtype, rows=rows)
     picked = take_rows(batch.logits, rows)                                   # [N, V]
-    best = greedy(picked)
     tokens = torch.zeros(rows.shape, dtype=torch.long)
-    tokens[rows] = best
-    probs = torch.zeros(rows.shape, dtype=dtype)
-    probs[rows] = torch.softmax(picked.to(dtype), dim=-1).gather(-1, best[:, None]).squeeze(-1)
-    return tokens, probs
+    tokens[rows] = greedy(picked)
+    return tokens, token_prob(batch.logits, tokens, dtype, rows=rows, picked=picked)
 
 
 class LowConfidence(Strategy):

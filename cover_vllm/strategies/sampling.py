@@ -69,17 +69,21 @@ def sample_candidates(logits: torch.Tensor, temperature: torch.Tensor,
 
 
 def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
-               dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
+               picked: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(logits)[tokens] computed in `dtype`: [n, W, V], [n, W] -> [n, W].
 
     With `rows` ([n, W] bool) only those rows are computed (0 elsewhere): a full-vocabulary
     softmax is the costliest part of a decision, and a row's value never depends on the others.
+    `picked` is `take_rows(logits, rows)` when the caller already has it.
     """
     if rows is None:
         return torch.softmax(logits.to(dtype), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    if picked is None:
+        picked = take_rows(logits, rows)                                    # [N, V]
     out = torch.zeros(tokens.shape, dtype=dtype)
-    picked = torch.softmax(take_rows(logits, rows).to(dtype), dim=-1)       # [N, V]
-    out[rows] = picked.gather(-1, tokens[rows][:, None]).squeeze(-1)
+    probs = torch.softmax(picked.to(dtype), dim=-1)
+    out[rows] = probs.gather(-1, tokens[rows][:, None]).squeeze(-1)
     return out
 
 
