@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cover_vllm.attention.base import SeqLayout, build_metadata, gather_pages
-from cover_vllm.worker.step_stats import attention_in_mass, key_drift
+from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
@@ -23,7 +23,9 @@ def test_attention_in_mass_is_the_mean_head_mass_from_the_selected_rows(heads):
     cache = torch.randn(offset, num_kv, dim, generator=gen)
     keys = gather_pages(cache, meta.key_slots)
     rows = torch.rand(t, generator=gen) < 0.5
-    got = attention_in_mass(q, keys, meta, rows)                     # [B, Kmax]
+    rows[t - 3:] = False                           # a sequence with no selected row: zero mass
+    pieces = list(rows.split([n for _, _, n in specs]))
+    got = attention_in_mass(q, keys, meta, *select_rows(pieces))     # [B, Kmax]
     flat = 0
     for i, (length, _, n) in enumerate(specs):
         k = cache[seqs[i].key_slots].repeat_interleave(num_heads // num_kv, dim=1)   # [L, H, d]

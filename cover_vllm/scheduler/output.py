@@ -33,6 +33,8 @@ class WorkItem:
     cfg_scale: float = 0.0
     is_refresh: bool = False                  # the window covers the whole canvas
     want_stats: bool = False                  # return KV drift / attention in-mass for the view
+    want_mass: bool = False                   # return the still-masked rows' attention on
+                                              # cached positions (cache_refresh.py's gate)
     extra: ExtraRows | None = None            # extra query rows (cond canvas only), e.g. WINO
     embed_edit: EmbedEdit | None = None       # input-embedding edits (cond canvas only), e.g. ASRD
     window_positions: torch.Tensor | None = None   # [window_len] sorted canvas positions of a

@@ -164,7 +164,7 @@ class Scheduler:
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
         return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
                         cfg_scale=plan.cfg_scale, is_refresh=refresh,
-                        want_stats=plan.want_stats or (
-                            req.kv_cache != "none" and req.refresh.policy.wants_mass),
+                        want_stats=plan.want_stats,
+                        want_mass=req.kv_cache != "none" and req.refresh.policy.wants_mass,
                         extra=plan.extra, embed_edit=plan.embed_edit,
                         window_positions=positions)

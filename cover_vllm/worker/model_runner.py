@@ -16,7 +16,7 @@ from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
 from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
-from cover_vllm.worker.step_stats import attention_in_mass, key_drift
+from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 
 @dataclass
@@ -42,22 +42,26 @@ class _Layout:
     row_valid: list[torch.Tensor | None] = field(default_factory=list)   # per canvas [view_len]
                                        # bool: view rows in a sparse window (None: all of them)
     extra_rows: list[torch.Tensor | None] = field(default_factory=list)   # per item [E] or None
-    stat_rows: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] bool
+    stat_rows: list[torch.Tensor] = field(default_factory=list)   # per canvas [window_len]
+                                       # bool: rows whose attention the stats layer sums
     edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
 
 
 class _Stats:
-    """Collects drift and attention in-mass on one layer during the forward (on the model's
-    device; `to_host` brings them back for the strategies)."""
+    """Collects attention in-mass (and, when a strategy reads it, key drift) on one layer during
+    the forward (on the model's device; `to_host` brings them back for the strategies)."""
 
-    def __init__(self, layer: int, rows: torch.Tensor, num_tokens: int, device: torch.device):
-        self.layer, self.any_rows = layer, bool(rows.any())
-        self.rows = rows.to(device)
-        self.drift = torch.zeros(num_tokens, device=device)
+    def __init__(self, layer: int, rows: list[torch.Tensor], num_tokens: int | None,
+                 device: torch.device):
+        index, real = select_rows(rows)          # each sequence's still-masked view rows
+        self.layer, self.any_rows = layer, bool(real.any())
+        self.index, self.real = index.to(device), real.to(device)
+        # [T] key drift; None when no item's strategy reads it (the refresh gate's mass only)
+        self.drift = None if num_tokens is None else torch.zeros(num_tokens, device=device)
         self.attn_in: torch.Tensor | None = None     # [B, Kmax]; None: no masked row
 
     def to_host(self) -> _Stats:
-        self.drift = to_host(self.drift)
+        self.drift = None if self.drift is None else to_host(self.drift)
         self.attn_in = None if self.attn_in is None else to_host(self.attn_in)
         return self
 
@@ -97,7 +101,8 @@ class ModelRunner:
                     rel = item.embed_edit.positions - w0
                     assert bool(((rel >= 0) & (rel < n)).all()), "embed edits outside the window"
                     lay.edits.append((rel + offset, item.embed_edit))
-                lay.stat_rows.append(self._stat_rows(item, canvas) if cond and item.want_stats
+                measured = cond and (item.want_stats or item.want_mass)
+                lay.stat_rows.append(self._stat_rows(item, canvas) if measured
                                      else torch.zeros(n, dtype=torch.bool))
                 offset += n
         for item in out.items:                     # extra rows follow every window (attention)
@@ -107,7 +112,6 @@ class ModelRunner:
             e = item.extra.num_rows
             lay.ids.append(item.extra.input_ids)
             lay.positions.append(item.extra.positions)
-            lay.stat_rows.append(torch.zeros(e, dtype=torch.bool))
             lay.extra_rows.append(torch.arange(offset, offset + e))
             offset += e
         return lay
@@ -147,21 +151,20 @@ class ModelRunner:
         logit_rows = torch.cat(lay.rows + extra_rows).to(device)
         prepare_s = time.perf_counter() - start
         stats = None
-        if any(item.want_stats for item in out.items):
-            stats = _Stats(self.model.dims.num_layers - 1, torch.cat(lay.stat_rows),
-                           ids.numel(), device)
+        if any(item.want_stats or item.want_mass for item in out.items):
+            drift = any(item.want_stats for item in out.items)
+            stats = _Stats(self.model.dims.num_layers - 1, lay.stat_rows,
+                           ids.numel() if drift else None, device)
         embeds = self.model.embed(ids)
         if lay.edits:
             edits = [(flat.to(device), edit) for flat, edit in lay.edits]
             embeds = apply_embed_edits(self.model.embed, embeds, edits)
         hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
-        logits = to_host(self.model.compute_logits(hidden.index_select(0, logit_rows)).float())
-        per_canvas = list(logits.split([r.numel() for r in lay.rows + extra_rows]))
-        for c, valid in enumerate(lay.row_valid):           # sparse windows: zero logits for
-            if valid is not None:                           # view rows not in the window
-                full = per_canvas[c].new_zeros(valid.numel(), per_canvas[c].shape[-1])
-                full[valid] = per_canvas[c]
-                per_canvas[c] = full
+        logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
+        sizes = [r.numel() for r in lay.rows + extra_rows]
+        if any(valid is not None for valid in lay.row_valid):
+            logits, sizes = self._full_views(logits, lay)
+        per_canvas = list(to_host(logits.float()).split(sizes))
         results = []
         for item in out.items:
             cond = per_canvas.pop(0)
@@ -187,15 +190,42 @@ class ModelRunner:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if stats is None or layer != stats.layer:
                 return backend.forward(q, k, v, cache.layer(layer), meta)
-            old = cache.k[layer].index_select(0, meta.write_slots)
+            if stats.drift is not None:
+                old = cache.k[layer].index_select(0, meta.write_slots)
             o, keys = backend.forward(q, k, v, cache.layer(layer), meta, return_keys=True)
-            written = k.index_select(0, meta.write_index)
-            stats.drift.index_copy_(0, meta.write_index, key_drift(written, old))
+            if stats.drift is not None:
+                written = k.index_select(0, meta.write_index)
+                stats.drift.index_copy_(0, meta.write_index, key_drift(written, old))
             if stats.any_rows:                 # else no row is still masked: no mass to measure
-                stats.attn_in = attention_in_mass(q, keys, meta, stats.rows)
+                stats.attn_in = attention_in_mass(q, keys, meta, stats.index, stats.real)
             return o
 
         return attn
+
+    def _full_views(self, logits: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, list[int]]:
+        """Sparse windows compute logits only on their rows: lay every canvas's whole view back
+        to back in one [sum view_len + extra rows, V] tensor, zero rows where a view position has
+        no row, so the strategies read the views as slices of it (engine/decide.py stacks
+        adjacent equal slices without copying). Returns it and the per-piece row counts."""
+        sizes, dest, offset = [], [], 0
+        for rows, valid in zip(lay.rows, lay.row_valid):
+            n = rows.numel() if valid is None else valid.numel()
+            span = torch.arange(offset, offset + n)
+            dest.append(span if valid is None else span[valid])
+            sizes.append(n)
+            offset += n
+        for rows in lay.extra_rows:
+            if rows is not None:
+                dest.append(torch.arange(offset, offset + rows.numel()))
+                sizes.append(rows.numel())
+                offset += rows.numel()
+        dest = torch.cat(dest)
+        missing = torch.ones(offset, dtype=torch.bool)
+        missing[dest] = False
+        full = logits.new_empty(offset, logits.shape[-1])
+        full.index_copy_(0, dest.to(self.device), logits)
+        full.index_fill_(0, missing.nonzero().flatten().to(self.device), 0.0)
+        return full, sizes
 
     @staticmethod
     def _view_values(item: WorkItem, values: torch.Tensor) -> torch.Tensor:
@@ -211,24 +241,28 @@ class ModelRunner:
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
+        """Per item: drift and in-mass over its view (items whose strategy reads them), and the
+        share of the masked rows' attention outside the view with its [L] per-column split
+        (items measured at all, while a masked row is left)."""
         drift, attn_in, mass, columns = [], [], [], []
         offset, seq = 0, 0
         for item in out.items:
             mass.append(None)
             columns.append(None)
+            drift.append(None)
+            attn_in.append(None)
             if item.want_stats:
-                drift.append(ModelRunner._view_values(item, stats.drift[offset:offset +
-                                                                        item.window_len]))
-                attn_in.append(torch.zeros(item.view_end - item.view_start)
+                drift[-1] = ModelRunner._view_values(item, stats.drift[offset:offset +
+                                                                       item.window_len])
+                attn_in[-1] = (torch.zeros(item.view_end - item.view_start)
                                if stats.attn_in is None
                                else stats.attn_in[seq, item.view_start:item.view_end])
-                total = 0.0 if stats.attn_in is None else float(stats.attn_in[seq].sum())
+            if (item.want_stats or item.want_mass) and stats.attn_in is not None:
+                column = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
+                total = float(column.sum())
                 if total > 0:                    # the rows' mass sums to their count
-                    mass[-1] = 1.0 - float(attn_in[-1].sum()) / total
-                    columns[-1] = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
-            else:
-                drift.append(None)
-                attn_in.append(None)
+                    mass[-1] = 1.0 - float(column[item.view_start:item.view_end].sum()) / total
+                    columns[-1] = column
             offset += item.window_len * len(item.canvases)
             seq += len(item.canvases)
         return drift, attn_in, mass, columns

@@ -23,18 +23,32 @@ def key_drift(k_new: torch.Tensor, k_old: torch.Tensor, eps: float = 1e-6) -> to
     return (num / (k_old.float().norm(dim=-1) + eps)).mean(dim=-1)
 
 
+def select_rows(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's [window_len] bool row mask (windows back to back on the flat token
+    axis) -> ([B, Rmax] flat token of each selected row, pad -> 0; [B, Rmax] bool, real row).
+    Built on the host, where the masks are, so the forward has no data-dependent shape."""
+    counts = [int(p.sum()) for p in pieces]
+    index = torch.zeros(len(pieces), max(counts + [1]), dtype=torch.long)
+    real = torch.zeros(index.shape, dtype=torch.bool)
+    offset = 0
+    for b, (piece, count) in enumerate(zip(pieces, counts)):
+        index[b, :count] = piece.nonzero().flatten() + offset
+        real[b, :count] = True
+        offset += piece.numel()
+    return index, real
+
+
 def attention_in_mass(q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetadata,
-                      rows: torch.Tensor) -> torch.Tensor:
-    """Mass from the flat query rows selected by `rows` [T] (bool) to every key column.
+                      index: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Mass from the selected query rows (`select_rows`: [B, Rmax] flat tokens and their
+    validity) to every key column: only those rows' scores are formed, not the whole window's.
 
     q [T, H, d]; keys [B, Kmax, Hkv, d] -> [B, Kmax], averaged over heads.
     """
-    (b, q_max), (num_heads, head_dim) = meta.q_index.shape, q.shape[1:]
-    qp = q.index_select(0, meta.q_index.flatten()).view(b, q_max, num_heads, head_dim)
-    scores = torch.matmul(qp.transpose(1, 2).float(),                       # [B, H, Qmax, Kmax]
+    (b, r_max), (num_heads, head_dim) = index.shape, q.shape[1:]
+    qs = q.index_select(0, index.flatten()).view(b, r_max, num_heads, head_dim)
+    scores = torch.matmul(qs.transpose(1, 2).float(),                       # [B, H, Rmax, Kmax]
                           expand_kv_heads(keys, num_heads).permute(0, 2, 3, 1).float())
     probs = torch.softmax(scores * head_dim ** -0.5 + meta.key_bias(torch.float32), dim=-1)
-    # weight 1/H for each selected real row (padded rows of the [B, Qmax] layout weigh 0)
-    weight = torch.zeros(b * q_max, device=q.device).index_copy_(
-        0, meta.out_index, rows[:meta.num_window_tokens].float() / num_heads)
-    return torch.matmul(weight.view(b, 1, 1, q_max), probs).sum(1)[:, 0]
+    weight = real.to(probs.dtype) / num_heads                               # [B, Rmax]
+    return torch.matmul(weight.view(b, 1, 1, r_max), probs).sum(1)[:, 0]
