@@ -23,7 +23,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import topk_mask
+from cover_vllm.strategies.sampling import take_rows, topk_mask
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,16 @@ class _Seeds:
     remask: np.ndarray
 
     @classmethod
-    def of(cls, batch: StepBatch, tokens: np.ndarray, probs: torch.Tensor) -> "_Seeds":
+    def of(cls, batch: StepBatch, tokens: np.ndarray, probs: torch.Tensor,
+           picked: torch.Tensor) -> "_Seeds":
+        """`probs` [N, V]: the softmax of the view rows marked in `picked` [n, W] (row-major
+        order), every seed's among them."""
         seeds = np.zeros((0, 0), dtype=bool) if batch.seeds is None else _np(batch.seeds)
         req, pos = seeds.nonzero()
         token = tokens[req, pos]
-        rows = _np(probs[torch.from_numpy(req), torch.from_numpy(pos)])       # [S, V]
+        compact = _np(picked).reshape(-1).cumsum() - 1           # view row -> row of `probs`
+        at = compact[req * picked.shape[1] + pos]
+        rows = _np(probs.index_select(0, torch.from_numpy(at)))             # [S, V]
         best = rows.argmax(-1)
         at = np.arange(len(req))
         none = np.zeros(len(req), dtype=bool)
@@ -259,16 +264,20 @@ class Cover(Strategy):
     def decide(self, batch: StepBatch) -> Decision:
         p = self.params
         n = batch.tokens.shape[0]
-        draft_tokens, logits = propose(batch)
-        probs = torch.softmax(logits.to(torch.float64), dim=-1)
-        cand_conf = probs.gather(-1, draft_tokens[..., None])[..., 0]    # = threshold's float64
+        # the only rows a decision reads: the block's [MASK]s (drafts) and the seeds (checks);
+        # a float64 softmax over the whole view's vocabulary cost most of a step's decision
+        rows = batch.candidates if batch.seeds is None else batch.candidates | batch.seeds
+        draft_tokens, logits = propose(batch, rows=rows)
+        probs = torch.softmax(take_rows(logits, rows).to(torch.float64), dim=-1)   # [N, V]
+        cand_conf = torch.zeros(rows.shape, dtype=torch.float64)   # = threshold's float64
+        cand_conf[rows] = probs.gather(-1, draft_tokens[rows][:, None])[:, 0]
         cand_conf = cand_conf.masked_fill(~batch.candidates, float("-inf"))
         draft = topk_mask(cand_conf, torch.ones(n, dtype=torch.long))
         draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)
         if p.max_draft is not None:
             draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
         drafted, tokens = _np(draft.sum(-1)), _np(batch.tokens)
-        seeds = self._judge(_Seeds.of(batch, tokens, probs), drafted)
+        seeds = self._judge(_Seeds.of(batch, tokens, probs, rows), drafted)
         self._update_memory(batch, tokens, draft, cand_conf, drafted, seeds)
         tokens, replace, remask = draft_tokens, None, None
         if seeds.replace.any():
