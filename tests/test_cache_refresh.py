@@ -1,6 +1,7 @@
 """cache_refresh: parsing, precedence, parity with kv_cache="none", adaptive triggers, sparse
 windows against the full forward, and the FLOP counters."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ from cover_vllm.cache_refresh import CacheRefresh, RefreshState, parse_cache_ref
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.cli import main
+from cover_vllm.scheduler.output import SchedulerOutput
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 9, 14)]
 
@@ -203,6 +205,51 @@ def test_sparse_window_equals_full_forward_on_an_unchanged_canvas(llada_dir, dre
     rows = (torch.arange(start, end) - engine.spec.logit_shift).clamp(min=0)
     left_out = ~torch.isin(rows, item.window_positions)   # predictor rows not forwarded
     assert bool(left_out.any()) and bool((logits_part[left_out] == 0).all())
+
+
+def test_sparse_dense_and_cfg_items_of_one_forward_get_their_own_logits(llada_dir):
+    """The runner lays every view back to back (a sparse one with zero rows where it has no
+    row): each item of a mixed batch reads the logits it gets when run alone."""
+    engine = Engine(EngineConfig(model=llada_dir, decoding="low_confidence", kv_cache="dual"))
+    base = dict(max_tokens=16, block_length=16, steps=4, ignore_eos=True)
+    sparse = CacheRefresh("adaptive", max_stale_steps=100)     # no refresh but the first
+    engine.add_request("sparse", [5, 6, 7, 8], SamplingParams(cache_refresh=sparse, **base))
+    engine.add_request("dense", [9, 10, 11], SamplingParams(**base))
+    engine.add_request("cfg", [12, 13], SamplingParams(decoding_params={"cfg_scale": 1.0},
+                                                       **base))
+    engine.step()                                      # block-start refreshes
+    engine.step()                                      # the sparse window now leaves out
+    out = engine.schedule()                            # the tokens it forwarded last step
+    items = {i.request_id: i for i in out.items}
+    assert items["sparse"].window_positions is not None and len(items["cfg"].canvases) == 2
+    together = engine.executor.execute_model(out).logits
+    for item, logits in zip(out.items, together):
+        alone = engine.executor.execute_model(SchedulerOutput([item])).logits[0]
+        assert logits.shape == alone.shape == (item.view_end - item.view_start, logits.shape[-1])
+        assert torch.allclose(logits, alone, atol=1e-5), item.request_id
+    rows = torch.arange(items["sparse"].view_start, items["sparse"].view_end)
+    left_out = ~torch.isin(rows, items["sparse"].window_positions)
+    assert bool(left_out.any()) and bool((together[0][left_out] == 0).all())
+
+
+def test_the_refresh_gate_measures_its_mass_without_the_strategy_statistics(llada_dir):
+    """low_confidence reads no statistics: an adaptive item asks only for the attention mass
+    (no key drift), and gets the values a fully measured forward gives."""
+    engine = Engine(EngineConfig(model=llada_dir, decoding="low_confidence", kv_cache="dual",
+                                 cache_refresh="adaptive"))
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=16, block_length=8,
+                                                         steps=4, ignore_eos=True))
+    engine.step()
+    out = engine.schedule()
+    item = out.items[0]
+    assert item.want_mass and not item.want_stats
+    gate = engine.executor.execute_model(out)
+    full = engine.executor.execute_model(
+        SchedulerOutput([dataclasses.replace(item, want_stats=True)]))
+    assert gate.drift == [None] and full.drift[0] is not None
+    assert gate.cached_mass[0] == pytest.approx(full.cached_mass[0], abs=1e-6)
+    assert 0.0 < gate.cached_mass[0] < 1.0
+    assert torch.allclose(gate.column_mass[0], full.column_mass[0], atol=1e-6)
 
 
 def test_strategies_that_read_every_row_keep_whole_windows(llada_dir):
