@@ -10,6 +10,7 @@ import pytest
 from cover_vllm import LLM
 from cover_vllm.benchmarks.latency import run_latency, run_verification_cost
 from cover_vllm.benchmarks.machine import mfu_bound
+from cover_vllm.benchmarks import throughput
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.engine.observer import StepObserver
 from cover_vllm.entrypoints.cli import main
@@ -64,6 +65,28 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
     assert "reference loop" in markdown and "| low_confidence | none | 2 |" in markdown
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_bench_repeats_time_every_row_round_robin_and_report_the_median_run(tmp_path, capsys,
+                                                                            monkeypatch):
+    path = tmp_path / "bench.json"
+    order, measure = [], throughput._measure
+    monkeypatch.setattr(throughput, "_measure", lambda llm, work, sp: (
+        order.append(str(sp.cache_refresh)), measure(llm, work, sp))[1])
+    code = main(["bench", "throughput", "--model", "cover-tiny", "--task", "word",
+                 "--decoding", "cover", "--kv-cache", "dual", "--cache-refresh", "block,adaptive",
+                 "--batch-size", "2", "--num-prompts", "2", "--reference-prompts", "0",
+                 "--threads", "1", "--repeats", "3", "--json", str(path)])
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    assert [r["cache_refresh"] for r in rows] == ["block", "adaptive"]
+    for r in rows:
+        runs = r["tokens_per_s_runs"]
+        assert r["repeats"] == 3 and len(runs) == 3 and all(t > 0 for t in runs)
+        assert r["tokens_per_s"] == pytest.approx(statistics.median(runs), rel=1e-9)
+        assert r["peak_kv_pages"] > 0
+    assert "median of 3:" in capsys.readouterr().out
+    assert order == ["block", "adaptive"] * 3          # a drifting machine slows both alike
 
 
 def test_bench_latency_reports_every_phase(tmp_path, capsys):

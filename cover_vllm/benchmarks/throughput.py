@@ -7,7 +7,8 @@ Each combination gets a warm-up first. A separately written dense loop (referenc
 cache, batch 1, one token per step) runs on the same weights, dtype and prompts in the same
 process, so every row has a ×-vs-reference ratio measured side by side. MFU divides by the peak
 GEMM rate measured in the row's own dtype (a bf16 row against the bf16 peak). Compare ratios
-within one run.
+within one run. With `repeats` > 1 every combination runs that many times, round-robin (so a
+machine whose speed drifts slows every row alike), and its row reports the run of median time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +51,7 @@ class ThroughputSpec:
     reference_prompts: int = 1         # requests timed through the reference loop (0: skip)
     decoding_params: tuple = ()        # ((strategy, {params}), ...)
     dtypes: tuple[str, ...] = ("auto",)   # weights and activations: each is a set of rows
+    repeats: int = 1                   # timed runs of every combination, round-robin
 
 
 @dataclass
@@ -82,6 +85,8 @@ class ThroughputRow:
     mfu_bound: float = 1.0             # the roofline: the highest MFU these forwards can reach
                                        # streaming their weights at the measured read rate
     mbu: float = 0.0                   # weight bytes read per second / the measured read rate
+    repeats: int = 1                   # timed runs; the time-derived fields are the median run's
+    tokens_per_s_runs: tuple[float, ...] = ()   # every run's tokens/s, in run order
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -159,7 +164,18 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
             "mfu_bound": mfu_bound(flops, streamed, peak_gflops, read_gbps)}
 
 
-def _measure(llm: LLM, work: Workload, sp: SamplingParams):
+class _Run(NamedTuple):
+    """One timed run of a combination."""
+
+    outs: list
+    seconds: float
+    overhead: float          # share of step time outside the model forward
+    flops: float             # model FLOPs of every step
+    forwards: int            # engine steps
+    peak_kv_pages: int
+
+
+def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
     engine = llm.engine
     llm.generate(work.prompts[:1], sp, use_tqdm=False)               # warm-up
     engine.pool.peak_used, engine.step_times = 0, []
@@ -172,7 +188,7 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams):
                 for t in times)
     flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
     overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
-    return outs, seconds, overhead, flops, len(times)
+    return _Run(outs, seconds, overhead, flops, len(times), engine.pool.peak_used)
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
@@ -210,38 +226,53 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
     read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
-    for decoding in spec.decodings:
-        for kv, refresh in caches:
-            outs, seconds, overhead, flops, forwards = _measure(
-                llm, work, work.params(spec, decoding, (kv, refresh)))
-            streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
-                                                       getattr(torch, dtype))
-            ms = [o.metrics for o in outs]
-            tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
-            gflops = flops / max(tokens, 1) / 1e9
-            lat = [m.latency_s for m in ms]
-            row = ThroughputRow(
-                dtype=dtype, decoding=decoding, kv_cache=kv, cache_refresh=refresh,
-                batch_size=bs, num_prompts=len(outs),
-                tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
-                nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
-                tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
-                latency_mean_s=statistics.mean(lat), latency_p50_s=_percentile(lat, 0.5),
-                latency_p99_s=_percentile(lat, 0.99), accuracy=work.accuracy(outs),
-                remasks=statistics.mean(m.remasks for m in ms),
-                flip_flops=statistics.mean(m.flip_flops for m in ms),
-                peak_kv_pages=llm.engine.pool.peak_used, overhead_fraction=overhead,
-                mfu=flops / seconds / (peak * 1e9),
-                speedup_vs_reference=(tokens / seconds / ref["tokens_per_s"]) if ref else None,
-                seconds=seconds, gflops_per_token=gflops,
-                flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
-                refreshes=statistics.mean(m.refreshes for m in ms),
-                flops_per_token=flops_per_token(ms),
-                mfu_bound=mfu_bound(flops, streamed, peak, read_gbps),
-                mbu=streamed / seconds / (read_gbps * 1e9))
-            report["results"].append(asdict(row))
-            log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-                f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "
-                f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
-                f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
-                f"{overhead:.0%}  ({seconds:.1f}s)")
+    combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]
+    runs = {combo: [] for combo in combos}
+    for _ in range(spec.repeats):                  # round-robin: drift hits every row alike
+        for decoding, kv, refresh in combos:
+            runs[decoding, kv, refresh].append(
+                _measure(llm, work, work.params(spec, decoding, (kv, refresh))))
+    for (decoding, kv, refresh), measured in runs.items():
+        median = statistics.median_low(run.seconds for run in measured)
+        outs, seconds, overhead, flops, forwards, peak_pages = next(
+            run for run in measured if run.seconds == median)
+        streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
+                                                   getattr(torch, dtype))
+        ms = [o.metrics for o in outs]
+        tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
+        gflops = flops / max(tokens, 1) / 1e9
+        lat = [m.latency_s for m in ms]
+        row = ThroughputRow(
+            dtype=dtype, decoding=decoding, kv_cache=kv, cache_refresh=refresh,
+            batch_size=bs, num_prompts=len(outs),
+            tokens_per_s=tokens / seconds, requests_per_s=len(outs) / seconds,
+            nfe_per_token=statistics.mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
+            tokens_per_step=statistics.mean(m.tokens_per_step for m in ms),
+            latency_mean_s=statistics.mean(lat), latency_p50_s=_percentile(lat, 0.5),
+            latency_p99_s=_percentile(lat, 0.99), accuracy=work.accuracy(outs),
+            remasks=statistics.mean(m.remasks for m in ms),
+            flip_flops=statistics.mean(m.flip_flops for m in ms),
+            peak_kv_pages=peak_pages, overhead_fraction=overhead,
+            mfu=flops / seconds / (peak * 1e9),
+            speedup_vs_reference=(tokens / seconds / ref["tokens_per_s"]) if ref else None,
+            seconds=seconds, gflops_per_token=gflops,
+            flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
+            refreshes=statistics.mean(m.refreshes for m in ms),
+            flops_per_token=flops_per_token(ms),
+            mfu_bound=mfu_bound(flops, streamed, peak, read_gbps),
+            mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
+            tokens_per_s_runs=tuple(tokens / run.seconds for run in measured))
+        report["results"].append(asdict(row))
+        log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
+            f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "
+            f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
+            f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
+            f"{overhead:.0%}  ({seconds:.1f}s{_spread(row)})")
+
+
+def _spread(row: ThroughputRow) -> str:
+    """', median of N: lo-hi tok/s' when the row was timed more than once."""
+    if row.repeats < 2:
+        return ""
+    runs = row.tokens_per_s_runs
+    return f", median of {row.repeats}: {min(runs):.1f}-{max(runs):.1f} tok/s"

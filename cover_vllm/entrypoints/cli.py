@@ -100,7 +100,8 @@ def _bench_spec(args: argparse.Namespace):
                           dtypes=args.dtype if isinstance(args.dtype, tuple) else (args.dtype,),
                           task=args.task,
                           reference_prompts=getattr(args, "reference_prompts", 0),
-                          decoding_params=tuple(params.items()))
+                          decoding_params=tuple(params.items()),
+                          repeats=getattr(args, "timed_runs", 1))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -282,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: 2 x batch size")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
+    t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,
+                   help="timed runs of every row, round-robin; a row reports the median run "
+                   "(use 3+ when comparing rows on a noisy machine)")
     t.add_argument("--markdown", default=None, help="write a markdown report here")
     t.add_argument("--plot", default=None, help="PNG: accuracy vs tokens/s, NFE/token bars")
     t.set_defaults(func=cmd_bench_throughput)
