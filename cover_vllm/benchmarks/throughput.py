@@ -226,13 +226,10 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
     read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
-    combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]
-    runs = {combo: [] for combo in combos}
-    for _ in range(spec.repeats):                  # round-robin: drift hits every row alike
-        for decoding, kv, refresh in combos:
-            runs[decoding, kv, refresh].append(
-                _measure(llm, work, work.params(spec, decoding, (kv, refresh))))
-    for (decoding, kv, refresh), measured in runs.items():
+
+    def record(combo: tuple[str, str, str], measured: list[_Run]) -> None:
+        """Append and log the row of one combination from its runs (the median run's times)."""
+        decoding, kv, refresh = combo
         median = statistics.median_low(run.seconds for run in measured)
         outs, seconds, overhead, flops, forwards, peak_pages = next(
             run for run in measured if run.seconds == median)
@@ -268,6 +265,15 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
             f"{overhead:.0%}  ({seconds:.1f}s{_spread(row)})")
+
+    combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]
+    runs: dict[tuple[str, str, str], list[_Run]] = {combo: [] for combo in combos}
+    for last in [False] * (spec.repeats - 1) + [True]:   # round-robin: drift slows every row
+        for combo in combos:                            # alike; a row is logged after its
+            decoding, kv, refresh = combo               # last run
+            runs[combo].append(_measure(llm, work, work.params(spec, decoding, (kv, refresh))))
+            if last:
+                record(combo, runs[combo])
 
 
 def _spread(row: ThroughputRow) -> str:
