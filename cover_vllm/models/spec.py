@@ -14,6 +14,33 @@ from typing import Any
 _FAMILIES = {"llada": "llada", "dream": "dream", "lladamoe": "llada_moe", "llada_moe": "llada_moe"}
 
 
+ATTENTION_KINDS = ("full", "block_causal")
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """Which keys a query row sees. `full`: every key of the canvas (LLaDA, Dream, LLaDA-MoE).
+    `block_causal`: the canvas is cut into blocks of `block_size` aligned to absolute position 0,
+    and a query in block b sees every key in blocks <= b (LLaDA2.x, SDAR). Room is left for more
+    kinds (a sliding window would add its width here)."""
+
+    kind: str = "full"
+    block_size: int | None = None    # block_causal: the model's own block (a request's
+                                     # block_length overrides it)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention kind {self.kind!r}; choose one of {list(ATTENTION_KINDS)}")
+        if self.kind == "block_causal" and (not isinstance(self.block_size, int)
+                                            or self.block_size < 1):
+            raise ValueError(f"block_causal attention needs a block_size >= 1, got "
+                             f"{self.block_size!r}")
+
+    @property
+    def is_block_causal(self) -> bool:
+        return self.kind == "block_causal"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture-independent facts about one checkpoint."""
@@ -32,6 +59,7 @@ class ModelSpec:
     # generation_utils.py `_sample`, alg="confidence_threshold"); False: no quota (LLaDA).
     threshold_quota: bool = False
     saber_dream: bool = False        # Saber's decoder is its Dream port (Dream/generation_utils.py)
+    attention: AttentionKind = AttentionKind()   # which keys each query row sees
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def predictor_row(self, position: int) -> int:
