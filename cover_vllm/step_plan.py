@@ -73,3 +73,4 @@ class RowDecision:
     replace: torch.Tensor | None      # [view_len] bool: committed -> another token, in place
     keeps: int                        # verified tokens left unchanged
     verified: int                     # positions checked this step
+    stop: bool = False                # end the request right after this step

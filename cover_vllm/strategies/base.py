@@ -38,6 +38,10 @@ class BlockState:
                                                # by `start_block`: the strategy's dataclass
                                                # (CoverState, ScheduleState, ...; ASRD: a dict)
     memory: dict[str, Any] = field(default_factory=dict)  # strategy-owned, kept across blocks
+    block_size: int = 0         # the request's block length B (a block-causal model's first
+                                # block may hold fewer generation slots: the prompt's tail)
+    max_tokens: int = 0         # the request's generation length (gen_length)
+    steps: int | None = None    # SamplingParams.steps as the user gave it (None: unset)
 
 
 @dataclass
@@ -83,6 +87,8 @@ class Decision:
     replace: torch.Tensor | None = None   # [n, W] bool: committed -> another token, in place
     keeps: torch.Tensor | None = None     # [n] long: verified tokens left unchanged
     verified: torch.Tensor | None = None  # [n] long: positions checked this step
+    stop: torch.Tensor | None = None      # [n] bool: end the request right after this step
+                                          # (finish_reason "stop"; LLaDA2's eos_early_stop)
 
 
 class Strategy(ABC):
