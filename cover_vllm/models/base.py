@@ -7,7 +7,7 @@ backend (cover_vllm.attention) for batched, cached steps. The same weights and l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -29,6 +29,23 @@ class ModelDims:
     head_dim: int
     hidden_size: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How tensor parallelism splits one module's own Linear layers, declared by the module in
+    `parallel_plan()` (distributed/tensor_parallel.py collects them; it never looks at types).
+    Names are attributes of the declaring module."""
+
+    column: tuple[str, ...] = ()          # output rows sliced: rank r keeps its 1/N of the rows
+    row: tuple[str, ...] = ()             # input columns sliced; partial outputs all-reduced
+    row_unreduced: tuple[str, ...] = ()   # input columns sliced; a parent reduces the sum
+                                          # (a sparse MoE's experts)
+    column_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # a fused column Linear whose rows are pieces side by side (LLaDA2's query_key_value: q, k,
+    # v rows): rank r keeps its 1/N of every piece, so each keeps its own heads of q, k and v
+    reduce_output: bool = False           # all-reduce the module's output (a sparse MoE block)
+    local_dims: bool = False              # the module's `.dims` become the rank's head counts
 
 
 class DiffusionLM(Protocol):
