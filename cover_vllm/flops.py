@@ -49,13 +49,13 @@ class FlopModel:
 
 
 def item_shape(item) -> tuple[int, int, int]:
-    """(tokens, attention pairs, logit rows) of one WorkItem: every canvas copy's window over its
-    whole canvas, the extra rows over the canvas and each other, the view's predictor rows."""
+    """(tokens, attention pairs, logit rows) of one WorkItem: every canvas copy's window over the
+    keys each row sees (the whole canvas, or a block-causal row's blocks), the extra rows over the canvas and each other, the view's predictor rows."""
     copies = len(item.canvases)
     length = int(item.canvases[0].key_slots.numel())
     extra = item.num_extra
     tokens = item.window_len * copies + extra
-    pairs = item.window_len * copies * length + extra * (length + extra)
+    pairs = item.attention_pairs() * copies + extra * (length + extra)
     rows = (item.view_end - item.view_start) * copies + extra
     return tokens, pairs, rows
 

@@ -12,6 +12,13 @@ positions. They follow every window on the flat token axis (all windows first, t
 sequence's extra rows in sequence order), attend over their sequence's canvas keys and over each
 other's fresh keys under a per-row allowed mask, and are never keys of a window row nor written to
 the cache.
+
+*Visibility*: which key columns a query row sees is the one thing every backend, the COVER
+correction and the statistics layer read from `AttentionMetadata.visible` / `mask` / `key_bias`
+(never from `key_valid` directly). A column is visible when it is a real key of the row's
+sequence (not padding, not hidden) and, for a block-causal sequence (`SeqLayout.causal_block` =
+B), lies in a block at or before the row's own: column j < (p // B + 1)·B for a row at canvas
+position p, blocks aligned to absolute position 0 (LLaDA2.x, SDAR).
 """
 
 from __future__ import annotations
@@ -34,6 +41,18 @@ class SeqLayout:
     extra_allowed: torch.Tensor | None = None  # [E, L + E] bool: extra rows' visible keys
     positions: torch.Tensor | None = None     # [window_len] sorted canvas positions of a sparse
                                               # window (None: window_start.. contiguous)
+    causal_block: int | None = None  # block-causal attention with blocks of this size (None:
+                                     # every row sees every key column, `full`)
+
+    def key_limits(self) -> torch.Tensor | None:
+        """[window_len] exclusive bound on the key columns of each query row (block-causal), or
+        None when every row sees all L columns."""
+        length = int(self.key_slots.numel())
+        if self.causal_block is None:
+            return None
+        b = self.causal_block
+        limit = ((self.window_positions() // b + 1) * b).clamp(max=length)
+        return None if bool((limit >= length).all()) else limit
 
     def window_positions(self) -> torch.Tensor:
         """[window_len] canvas position of every query row."""
@@ -73,7 +92,9 @@ class AttentionMetadata:
     ex_allowed: torch.Tensor     # [B, Emax, Kmax + Emax] bool: canvas columns, then extra rows
     write_all: bool = False      # every window token is written, in order (write_index = arange)
     dense_queries: bool = False  # every window has Qmax tokens: q_index and out_index = arange
-    all_keys_valid: bool = False  # no padded or hidden key column (key_valid all True)
+    all_keys_valid: bool = False  # every row sees every key column: no mask at all
+    row_limit: torch.Tensor | None = None   # [Tm] exclusive bound on the key columns each window
+                                            # token sees (block-causal); None: no bound
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _ov_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -93,25 +114,61 @@ class AttentionMetadata:
             self._ov_rows = torch.unique(self.ov_row, return_inverse=True)
         return self._ov_rows
 
+    def visible(self, seqs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, Kmax] bool: the key columns that window row `rows[n]` (a flat token) of sequence
+        `seqs[n]` sees. The one visibility rule of the module docstring; `rows=None` gives the
+        columns every row of the sequence may see (its real keys)."""
+        valid = self.key_valid.index_select(0, seqs)
+        if self.row_limit is None or rows is None:
+            return valid
+        cols = torch.arange(valid.shape[1], device=valid.device)
+        return valid & (cols[None, :] < self.row_limit.index_select(0, rows)[:, None])
+
+    def override_visible(self) -> torch.Tensor:
+        """[S] bool: whether each override's predictor row sees its seed's column at all (a
+        block-causal row never sees a later block, in either view)."""
+        return self.visible(self.ov_seq, self.ov_row).gather(1, self.ov_col[:, None])[:, 0]
+
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, Qmax or 1, Kmax] bool visibility of the padded query rows (1 row when no
+        sequence bounds its rows), or None when every row sees every column."""
+        if self.all_keys_valid:
+            return None
+        if self.row_limit is None:
+            return self.key_valid[:, None, None, :]
+        b, q_max = self.q_index.shape
+        seqs = torch.arange(b, device=self.q_index.device).repeat_interleave(q_max)
+        rows = self.q_index.flatten()
+        allowed = self.visible(seqs, rows).view(b, 1, q_max, -1)
+        pad = torch.ones(b * q_max, dtype=torch.bool, device=rows.device)
+        pad[self.out_index] = False              # padded rows see everything (output dropped)
+        return allowed | pad.view(b, 1, q_max, 1)
+
     def key_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [B, 1, 1, Kmax]: 0 for real keys, -inf for padding (built once)."""
+        """`mask()` as an additive bias (0 visible, -inf hidden), built once per dtype; zeros
+        [B, 1, 1, Kmax] when nothing is hidden."""
         if self._key_bias is None or self._key_bias.dtype != dtype:
-            bias = torch.zeros(self.key_valid.shape, dtype=dtype, device=self.key_valid.device)
-            self._key_bias = bias.masked_fill(~self.key_valid, float("-inf"))[:, None, None, :]
+            allowed = self.mask()
+            if allowed is None:
+                allowed = self.key_valid[:, None, None, :]
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._key_bias = bias.masked_fill(~allowed, float("-inf"))
         return self._key_bias
 
     def override_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, Qmax, Kmax + Smax] for attending over the keys followed by each
-        sequence's overridden positions' fresh K/V (`ov_fresh`): every row sees the real keys
+        sequence's overridden positions' fresh K/V (`ov_fresh`): every row sees its visible keys
         (the cached K/V at an override position) except that a predictor row sees, instead of
         its seed's cached column, that seed's fresh column. Built once per forward."""
         if self._override_bias is None or self._override_bias.dtype != dtype:
             (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
             allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
                                   device=self.key_valid.device)
-            allowed[:, :, :k_max] = self.key_valid[:, None, :]
+            visible = self.mask()
+            allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
+            sees_seed = allowed[self.ov_seq, self.ov_slot, self.ov_col]   # [S] (block rule)
             allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
-            allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = True
+            allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = sees_seed
             bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             self._override_bias = bias.masked_fill(~allowed, float("-inf"))[:, None]
         return self._override_bias
@@ -125,8 +182,9 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     q_index = torch.zeros(b, q_max, dtype=torch.long)
     key_slots = torch.zeros(b, k_max, dtype=torch.long)
     key_valid = torch.zeros(b, k_max, dtype=torch.bool)
-    out_index, write_index, write_slots = [], [], []
+    out_index, write_index, write_slots, limits = [], [], [], []
     overrides = []                          # (seq, src token, row token, row slot, column, rank)
+    bounded = False                         # some row sees fewer columns than its sequence has
     offset = 0
     for i, s in enumerate(seqs):
         n, length = s.window_len, int(s.key_slots.numel())
@@ -135,6 +193,9 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         out_index.append(torch.arange(i * q_max, i * q_max + n))
         key_slots[i, :length] = s.key_slots
         key_valid[i, :length] = True if s.hidden_keys is None else ~s.hidden_keys
+        limit = s.key_limits()
+        limits.append(torch.full((n,), k_max, dtype=torch.long) if limit is None else limit)
+        bounded = bounded or limit is not None
         slots = (s.key_slots[s.window_start:s.window_start + n] if s.positions is None
                  else s.key_slots[s.positions])
         if s.override:
@@ -163,7 +224,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         ov_slot=ov_slot, ov_extra=ov_extra, ov_fresh=ov_fresh, num_overrides=len(overrides),
         ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device),
         write_all=num_written == offset, dense_queries=offset == b * q_max,
-        all_keys_valid=bool(key_valid.all()))
+        all_keys_valid=bool(key_valid.all()) and not bounded,
+        row_limit=torch.cat(limits).to(device) if bounded else None)
 
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):

@@ -29,7 +29,7 @@ def override_row_lse(q: torch.Tensor, keys: torch.Tensor, meta) -> torch.Tensor:
     q_r = q[meta.ov_row].float()
     ctx_k = expand_kv_heads(keys[meta.ov_seq], q.shape[1]).float()       # [S, K, H, d]
     scores = torch.einsum("shd,skhd->shk", q_r, ctx_k) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~meta.key_valid[meta.ov_seq][:, None, :], float("-inf"))
+    scores = scores.masked_fill(~meta.visible(meta.ov_seq, meta.ov_row)[:, None, :], float("-inf"))
     return torch.logsumexp(scores, dim=-1)
 
 
@@ -56,6 +56,8 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_r = _f32(q.index_select(0, meta.ov_row))                                # [S, H, d]
     p = torch.exp((kk * q_r).sum(-1) * head_dim ** -0.5 - lse)                 # [2, S, H]
     p[0].neg_()                                         # the cached column leaves, the fresh joins
+    if meta.row_limit is not None:                      # a seed past the row's block: neither
+        p.mul_(meta.override_visible().to(p.dtype)[None, :, None])
     delta_num = (p.unsqueeze(-1) * vv).sum(0)                                  # [S, H, d]
     delta_den = p.sum(0)                                                       # [S, H]
     rows, inverse = meta.override_rows()
@@ -85,7 +87,7 @@ def _rows_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lse:
     v = expand_kv_heads(values.index_select(0, seqs), num_heads).float()
     scores = torch.einsum("rhd,rkhd->rhk", q.index_select(0, rows).float(), k) * head_dim ** -0.5
     p = torch.exp(scores - row_lse[..., None])
-    p = p.masked_fill(~meta.key_valid.index_select(0, seqs)[:, None, :], 0.0)
+    p = p.masked_fill(~meta.visible(seqs, rows)[:, None, :], 0.0)
     return torch.einsum("rhk,rkhd->rhd", p, v)
 
 

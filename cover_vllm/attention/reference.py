@@ -33,7 +33,8 @@ class ReferenceBackend(AttentionBackend):
             flat = meta.q_index.view(-1)[rows]
             ctx_k = expand_kv_heads(keys[b], num_heads)
             ctx_v = expand_kv_heads(values[b], num_heads)
-            out[flat] = _softmax_attend(q[flat], ctx_k, ctx_v, meta.key_valid[b])
+            seq = torch.full_like(flat, b)
+            out[flat] = _softmax_attend(q[flat], ctx_k, ctx_v, meta.visible(seq, flat))
         for row in torch.unique(meta.ov_row).tolist():
             b = int(meta.ov_seq[meta.ov_row == row][0])
             row_k = expand_kv_heads(keys[b], num_heads).clone()
@@ -42,7 +43,8 @@ class ReferenceBackend(AttentionBackend):
                 col, src = int(meta.ov_col[j]), int(meta.ov_src[j])
                 row_k[col] = expand_kv_heads(k[src], num_heads)
                 row_v[col] = expand_kv_heads(v[src], num_heads)
-            out[row] = _softmax_attend(q[row:row + 1], row_k, row_v, meta.key_valid[b])[0]
+            visible = meta.visible(torch.tensor([b]), torch.tensor([row]))
+            out[row] = _softmax_attend(q[row:row + 1], row_k, row_v, visible)[0]
         return out.to(q.dtype)
 
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,

@@ -67,8 +67,7 @@ class SDPABackend(AttentionBackend):
                                 attn_mask=None if meta.all_keys_valid else meta.key_bias(q.dtype))
             lse = lse[meta.ov_seq, :, meta.ov_slot]                        # [S, H]
         else:
-            mask = None if meta.all_keys_valid else meta.key_valid[:, None, None]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask(), enable_gqa=gqa)
         o = unpad_queries(o.transpose(1, 2), meta)
         if meta.num_overrides == 0:
             return o

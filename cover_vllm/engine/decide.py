@@ -114,10 +114,12 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
         zeros = [0] * len(reqs)
         keeps = zeros if d.keeps is None else d.keeps.tolist()
         verified = zeros if d.verified is None else d.verified.tolist()
+        stops = [False] * len(reqs) if d.stop is None else d.stop.tolist()
         for row, (req, item) in enumerate(zip(reqs, items)):
             n = item.view_end - item.view_start
             pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
             decisions[req.request_id] = RowDecision(
                 commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
-                replace=pick(d.replace), keeps=keeps[row], verified=verified[row])
+                replace=pick(d.replace), keeps=keeps[row], verified=verified[row],
+                stop=bool(stops[row]))
     return decisions

@@ -18,7 +18,7 @@ class OutputProcessor:
     def check_stop(self, req: Request) -> tuple[str | None, list[int], str]:
         """After a block is FINAL: ('stop' if an EOS/stop token or stop string appeared, else
         None; the final token ids and text up to the stop point). A Request's stop rule."""
-        final = req.canvas[req.prompt_len:req.final_end].tolist()
+        final = req.canvas[req.prompt_len:min(req.final_end, req.gen_end)].tolist()
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
         cut = next((i for i, t in enumerate(final) if t in stop_ids), None)
         ids = final if cut is None else final[: cut + 1]

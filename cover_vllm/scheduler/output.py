@@ -17,7 +17,8 @@ class CanvasInput:
     """One canvas copy to run: its window tokens and where its canvas lives in the cache."""
 
     input_ids: torch.Tensor      # [window_len] tokens at the window's positions (seeds masked)
-    key_slots: torch.Tensor      # [L] cache slot of every canvas position
+    key_slots: torch.Tensor      # [L] cache slot of every canvas position the window sees
+                                 # (block-causal: up to the current block's end)
 
 
 @dataclass
@@ -41,6 +42,16 @@ class WorkItem:
                                                    # sparse window (None: contiguous from
                                                    # window_start); view rows outside it get
                                                    # zero logits (cache_refresh.py)
+    causal_block: int | None = None           # block-causal attention with this block size:
+                                              # a row at p sees keys < (p // B + 1) * B
+
+    def attention_pairs(self) -> int:
+        """Query-key pairs one canvas copy's window attends over (its visible keys per row)."""
+        length = int(self.canvases[0].key_slots.numel())
+        if self.causal_block is None:
+            return self.window_len * length
+        b = self.causal_block
+        return int(((self.positions() // b + 1) * b).clamp(max=length).sum())
 
     def positions(self) -> torch.Tensor:
         """[window_len] canvas position of every window row."""

@@ -60,15 +60,28 @@ class Request:
         self.strategy, self.generator, self.kv_cache = strategy, generator, kv_cache
         self.prompt_len = len(prompt_token_ids)
         self.mask_id = spec.mask_token_id
+        self.causal_block = self._causal_block(params, strategy)
+        canvas_len = self.prompt_len + params.max_tokens
+        if self.causal_block is None:
+            block = params.block_length or strategy.default_block_length(params.max_tokens)
+            starts = range(self.prompt_len, canvas_len, block)
+            self.blocks = [(s, min(s + block, canvas_len)) for s in starts]
+        else:                  # blocks aligned to position 0; the prompt's tail block first
+            block = self.causal_block
+            canvas_len = -(-canvas_len // block) * block
+            self.blocks = [(max(k * block, self.prompt_len), (k + 1) * block)
+                           for k in range(self.prompt_len // block, canvas_len // block)]
         self.canvas = torch.tensor(
-            self.prompt_token_ids + [self.mask_id] * params.max_tokens, dtype=torch.long)
-        block = params.block_length or strategy.default_block_length(params.max_tokens)
-        starts = range(self.prompt_len, len(self.canvas), block)
-        self.blocks = [(s, min(s + block, len(self.canvas))) for s in starts]
+            self.prompt_token_ids + [self.mask_id] * (canvas_len - self.prompt_len),
+            dtype=torch.long)
+        self.block_length = block
         total = params.steps or strategy.default_steps(params.max_tokens)
         self.block_steps = split_steps(max(total, len(self.blocks)), len(self.blocks))
+        # block-causal: canvas positions below `cached_end` hold K/V computed from their final
+        # tokens (exact for every later step, never recomputed); 0 until the first forward
+        self.cached_end = 0
         self.block_idx = 0
-        self.state = BlockState(block_steps=self.block_steps[0])
+        self.state = self._block_state(self.block_steps[0])
         self.final_end = self.prompt_len       # canvas positions < final_end are FINAL
         self.pages: list[PageSet] = []         # [cond] or [cond, uncond] for cfg
         self.status = RequestStatus.WAITING
@@ -83,6 +96,34 @@ class Request:
         self.output_text = ""
 
     # ---- geometry --------------------------------------------------------------------------
+    @staticmethod
+    def _causal_block(params: SamplingParams, strategy: Strategy) -> int | None:
+        """The block size of a block-causal model's attention for this request (the request's
+        block_length, else the model's own), None for full attention."""
+        kind = strategy.spec.attention
+        if not kind.is_block_causal:
+            return None
+        return params.block_length or kind.block_size
+
+    def _block_state(self, block_steps: int) -> BlockState:
+        return BlockState(block_steps=block_steps, block_size=self.block_length,
+                          max_tokens=self.params.max_tokens, steps=self.params.steps)
+
+    @property
+    def gen_end(self) -> int:
+        """End of the generation slots the user asked for (a block-causal canvas runs on to its
+        last block's end; those extra slots are decoded but never returned)."""
+        return self.prompt_len + self.params.max_tokens
+
+    @property
+    def block_window_start(self) -> int:
+        """Block-causal: the first position the next forward must run, the start of the first
+        block whose K/V are not final (it covers the prefill of the prompt's full blocks and the
+        commit of a block just finished; ALGORITHMS/architecture "per-block KV reuse")."""
+        start = self.blocks[self.block_idx][0]
+        block_start = start // self.causal_block * self.causal_block
+        return min(self.cached_end, block_start)
+
     @property
     def num_canvases(self) -> int:
         return 2 if self.strategy.cfg_scale > 0 else 1
@@ -120,8 +161,9 @@ class Request:
 
     # ---- state changes ---------------------------------------------------------------------
     def begin_block(self) -> None:
-        self.state = BlockState(block_steps=self.block_steps[self.block_idx],
-                                memory=self.state.memory)     # per-request, across blocks
+        memory = self.state.memory                                # per-request, across blocks
+        self.state = self._block_state(self.block_steps[self.block_idx])
+        self.state.memory = memory
         self.strategy.start_block(self.state, self.block_masked())
         self.needs_refresh = True
 
@@ -156,8 +198,12 @@ class Request:
 
     def note_written(self, item: WorkItem) -> None:
         """Record which token each written position's cached K/V now hold (override positions
-        keep their old K/V)."""
+        keep their old K/V); block-causal: every block before the current one is final now."""
         pos, ids = item.positions(), item.canvases[0].input_ids
+        if self.causal_block is not None:
+            block_start = self.block[0] // self.causal_block * self.causal_block
+            if item.window_start <= self.cached_end:
+                self.cached_end = max(self.cached_end, block_start)
         if item.override:
             keep = ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
             pos, ids = pos[keep], ids[keep]
@@ -186,12 +232,17 @@ class Request:
         m.keeps += decision.keeps
         m.seeds_verified += decision.verified
         m.refreshes += int(item.is_refresh)
+        if decision.stop:                    # the strategy ends the request now (mid-block)
+            self.final_end = self.block[1]
+            reason, self.output_token_ids, self.output_text = stop_rule(self)
+            return reason or "stop"
         if not self.strategy.block_done(self.state, self.block_masked()):
             return None
         return self._complete_block(stop_rule)
 
     def _complete_block(self, stop_rule: StopRule) -> str | None:
-        if self.strategy.revises_done_blocks and not self.in_last_block:
+        revises = self.strategy.revises_done_blocks and self.causal_block is None
+        if revises and not self.in_last_block:
             self._next_block()                   # nothing is FINAL before the request ends
             return None
         self.final_end = self.block[1]
@@ -211,7 +262,7 @@ class Request:
         """The metrics as of now (latency so far, decoded tokens, tokens per step)."""
         m = self.metrics
         m.latency_s = time.perf_counter() - self.arrival
-        m.decoded_tokens = self.final_end - self.prompt_len
+        m.decoded_tokens = min(self.final_end, self.gen_end) - self.prompt_len
         m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
         return m
 

@@ -134,7 +134,31 @@ class Scheduler:
         keep = int((cum < share).sum()) + 1
         return out[order[:keep]]
 
+    def _block_causal_item(self, req: Request, plan: StepPlan) -> WorkItem:
+        """A block-causal request's step: the current block against the exact K/V of every
+        earlier block, from the first position whose K/V are not final yet (so the prompt's
+        full blocks are prefilled, and a finished block's K/V rewritten from its final tokens,
+        in the same forward as the next block's first step). Keys end at the block's end: no
+        row of the window sees a later block. `kv_cache="none"` recomputes from position 0
+        every step (the official LLaDA2 `generate`)."""
+        start, end = req.block
+        w_start = 0 if req.kv_cache == "none" else req.block_window_start
+        view_start = max(plan.view_start, start)         # decoders run inside the block
+        copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
+        canvases = [CanvasInput(c[w_start:end].clone(), ps.key_slots[:end])
+                    for c, ps in zip(copies, req.pages)]
+        seeds = [s for s in plan.seeds if start <= s < end]
+        if seeds:
+            canvases[0].input_ids[[s - w_start for s in seeds]] = req.mask_id
+        return WorkItem(req.request_id, w_start, canvases, view_start, end,
+                        override=[(s, max(s - self.logit_shift, 0)) for s in seeds],
+                        cfg_scale=plan.cfg_scale, want_stats=plan.want_stats,
+                        extra=plan.extra, embed_edit=plan.embed_edit,
+                        causal_block=req.causal_block)
+
     def _work_item(self, req: Request, plan: StepPlan) -> WorkItem:
+        if req.causal_block is not None:
+            return self._block_causal_item(req, plan)
         start, end = req.block
         refresh = req.kv_cache == "none" or req.refresh.should_refresh(
             end - start, req.canvas_len - (end - start))

@@ -89,9 +89,11 @@ class ModelRunner:
             pred, valid = self._predictor_rows(item, view)     # window-relative
             for c, canvas in enumerate(item.canvases):
                 cond = c == 0
-                extra = item.extra.allowed if cond and item.extra is not None else None
+                extra = (self._extra_allowed(item, canvas.key_slots.numel())
+                         if cond and item.extra is not None else None)
                 lay.seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if cond else [],
-                                          extra_allowed=extra, positions=item.window_positions))
+                                          extra_allowed=extra, positions=item.window_positions,
+                                          causal_block=item.causal_block))
                 lay.ids.append(canvas.input_ids)
                 lay.positions.append(item.positions())
                 lay.rows.append(pred + offset)
@@ -115,6 +117,15 @@ class ModelRunner:
             lay.extra_rows.append(torch.arange(offset, offset + e))
             offset += e
         return lay
+
+    @staticmethod
+    def _extra_allowed(item: WorkItem, num_keys: int) -> torch.Tensor:
+        """The extra rows' [E, K + E] allowed mask over the keys the window sees (a block-causal
+        item's keys end at its block: the columns past it are dropped)."""
+        allowed, e = item.extra.allowed, item.extra.num_rows
+        if allowed.shape[1] == num_keys + e:
+            return allowed
+        return torch.cat((allowed[:, :num_keys], allowed[:, -e:]), dim=1)
 
     def _predictor_rows(self, item: WorkItem, view: torch.Tensor):
         """Window rows whose logits predict the view positions [view_len], and which of them

@@ -49,6 +49,9 @@ def attention_in_mass(q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetada
     qs = q.index_select(0, index.flatten()).view(b, r_max, num_heads, head_dim)
     scores = torch.matmul(qs.transpose(1, 2).float(),                       # [B, H, Rmax, Kmax]
                           expand_kv_heads(keys, num_heads).permute(0, 2, 3, 1).float())
-    probs = torch.softmax(scores * head_dim ** -0.5 + meta.key_bias(torch.float32), dim=-1)
+    seqs = torch.arange(b, device=index.device).repeat_interleave(r_max)
+    hidden = ~meta.visible(seqs, index.flatten()).view(b, 1, r_max, -1)      # [B, 1, Rmax, K]
+    hidden &= real.view(b, 1, r_max, 1)              # padded rows (weight 0) stay finite
+    probs = torch.softmax((scores * head_dim ** -0.5).masked_fill(hidden, float("-inf")), dim=-1)
     weight = real.to(probs.dtype) / num_heads                               # [B, Rmax]
     return torch.matmul(weight.view(b, 1, 1, r_max), probs).sum(1)[:, 0]
