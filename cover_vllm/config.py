@@ -60,6 +60,9 @@ class EngineConfig:
         None, "torch intra-op threads (default: 1 for a tiny model, else the cores not busy "
         "with other jobs)", kind="positive_int", flags=("--threads",))
     device: str = option("cpu", "torch device of the model")
+    enable_prefix_caching: bool | None = option(
+        None, "share the K/V of full prompt blocks across requests (default: on for "
+        "block-causal models; full-attention models cannot)", kind="bool")
     distributed_timeout_s: float = option(
         60.0, "tensor parallelism: max wait on a collective or a worker's reply (seconds)",
         kind="positive_float")
@@ -98,6 +101,9 @@ class EngineConfig:
                 self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got "
                              f"{self.distributed_timeout_s!r}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ValueError(f"enable_prefix_caching must be True, False or None (auto), got "
+                             f"{self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int):
             raise TypeError("seed must be an int")
 

@@ -22,6 +22,8 @@ class RequestMetrics:
     refreshes: int = 0           # full-canvas forwards (block starts with a cache; every step without)
     forward_tokens: int = 0      # query rows this request ran through the model (all forwards)
     flops: float = 0.0           # model FLOPs of those rows (cover_vllm/flops.py)
+    prefix_query_tokens: int = 0   # prompt positions looked up in the prefix cache
+    cached_prompt_tokens: int = 0  # of which found: their K/V came from the cache
     latency_s: float = 0.0       # arrival to finish, wall clock
 
     def as_dict(self) -> dict:

@@ -45,6 +45,18 @@ class EngineLoad:
     pages_total: int
 
 
+def _prefix_caching(config: EngineConfig, spec: ModelSpec) -> bool:
+    """`enable_prefix_caching` resolved: None means on exactly for block-causal models; asking
+    for it on a full-attention model is an error (a prompt's K/V depend on the whole canvas
+    there, so no two requests share them)."""
+    block_causal = spec.attention.is_block_causal
+    if config.enable_prefix_caching and not block_causal:
+        raise ValueError("enable_prefix_caching=True needs a block-causal model (LLaDA2.x, "
+                         f"SDAR); {spec.family!r} attends over the whole canvas, so its prompt "
+                         "K/V are never shared")
+    return block_causal if config.enable_prefix_caching is None else config.enable_prefix_caching
+
+
 def _load_tokenizer(path):
     if path is None:
         return None
@@ -76,7 +88,8 @@ class Engine:
         self.executor = make_executor(config, resolved, self.spec)
         logger.info(self.memory.startup_line())
         self.pool = PagePool(self.executor.num_pages)
-        self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift)
+        self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift,
+                                   prefix_caching=_prefix_caching(config, self.spec))
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
         self.refresh_policy = config.refresh_policy
         self._requests: dict[str, Request] = {}
@@ -199,6 +212,7 @@ class Engine:
         for item in out.items:
             req = self._requests[item.request_id]
             event = req.finish_step(item, decisions[item.request_id], self.outputs.check_stop)
+            self.scheduler.index_prefix(req)
             if event is None:
                 continue
             if event != "block":

@@ -37,6 +37,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, names: Iterable[str] | Non
     assert not unknown, f"not engine options: {sorted(unknown)}"
     for option in options:
         meta = option.metadata
+        if meta["kind"] == "bool":          # --flag / --no-flag (default: the field's)
+            parser.add_argument(*flag_names(option), dest=option.name,
+                                action=argparse.BooleanOptionalAction,
+                                default=defaults.get(option.name, option.default),
+                                help=meta["help"])
+            continue
         parser.add_argument(*flag_names(option), dest=option.name,
                             type=_PARSERS[meta["kind"]], choices=meta["choices"],
                             default=defaults.get(option.name, option.default), help=meta["help"])

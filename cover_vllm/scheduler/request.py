@@ -80,6 +80,8 @@ class Request:
         # block-causal: canvas positions below `cached_end` hold K/V computed from their final
         # tokens (exact for every later step, never recomputed); 0 until the first forward
         self.cached_end = 0
+        self.prefix_keys: list[bytes] = []     # content keys of its shareable prompt pages
+        self.prefix_indexed = 0                # of which indexed in the pool (or hits)
         self.block_idx = 0
         self.state = self._block_state(self.block_steps[0])
         self.final_end = self.prompt_len       # canvas positions < final_end are FINAL

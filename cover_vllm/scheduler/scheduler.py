@@ -20,13 +20,16 @@ import torch
 from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
+from cover_vllm.scheduler.prefix_cache import page_keys
 from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
 from cover_vllm.step_plan import StepPlan
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, logit_shift: int):
+    def __init__(self, config: EngineConfig, pool: PagePool, logit_shift: int,
+                 prefix_caching: bool = False):
         self.config, self.pool, self.logit_shift = config, pool, logit_shift
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -47,7 +50,7 @@ class Scheduler:
         page = self.config.page_size
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            pages = self.pool.allocate(self.pages_needed(req))
+            pages = self._take_pages(req)
             if pages is None:
                 return                                    # FCFS: wait for pages to free up
             self.waiting.popleft()
@@ -60,6 +63,36 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.begin_block()
             self.running.append(req)
+
+    def _take_pages(self, req: Request) -> list[int] | None:
+        """Pages for the whole canvas: first the cached pages of its prompt prefix (prefix
+        caching: their K/V are final, so the request starts past them), then fresh ones."""
+        keys = self._prefix_keys(req)
+        hits = self.pool.lookup(keys) if keys else []
+        fresh = self.pool.allocate(self.pages_needed(req) - len(hits))
+        if fresh is None:
+            self.pool.free(hits)
+            return None
+        req.prefix_keys, req.prefix_indexed = keys, len(hits)
+        req.cached_end = len(hits) * self.config.page_size
+        req.metrics.cached_prompt_tokens = req.cached_end
+        req.metrics.prefix_query_tokens = len(keys) * self.config.page_size
+        return hits + fresh
+
+    def _prefix_keys(self, req: Request) -> list[bytes]:
+        """Content keys of the request's shareable prompt pages (none unless prefix caching is
+        on and the request reuses K/V on a block-causal model with one canvas)."""
+        if not self.prefix_caching or req.causal_block is None or req.kv_cache == "none" \
+                or req.num_canvases != 1:
+            return []
+        return page_keys(req.canvas, req.prompt_len, req.causal_block, self.config.page_size)
+
+    def index_prefix(self, req: Request) -> None:
+        """After a step: index the request's prompt pages whose K/V became final."""
+        done = min(req.cached_end // self.config.page_size, len(req.prefix_keys))
+        for i in range(req.prefix_indexed, done):
+            self.pool.index(req.pages[0].pages[i], req.prefix_keys[i])
+        req.prefix_indexed = max(req.prefix_indexed, done)
 
     def abort_request(self, request_id: str) -> Request | None:
         for req in list(self.waiting):

@@ -21,7 +21,8 @@ PREFIX = "cover_vllm_"
 
 
 class _RatioCollector:
-    """Exposes nfe_per_token = nfe_total / generation_tokens_total at scrape time."""
+    """Exposes nfe_per_token = nfe_total / generation_tokens_total and the prefix cache's hit
+    rate (prompt tokens whose K/V were reused / prompt tokens looked up) at scrape time."""
 
     def __init__(self, metrics: "ServerMetrics"):
         self.metrics = metrics
@@ -32,6 +33,12 @@ class _RatioCollector:
                                    "Model forwards per decoded token over all finished requests")
         family.add_metric([], nfe / decoded if decoded else 0.0)
         yield family
+        hits, queries = self.metrics.prefix_hit_sum, self.metrics.prefix_query_sum
+        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                                 "Prompt tokens served from the prefix cache / tokens looked up "
+                                 "(block-causal models; finished requests)")
+        rate.add_metric([], hits / queries if queries else 0.0)
+        yield rate
 
 
 class _ReplicaCollector:
@@ -57,6 +64,8 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.nfe_sum = 0      # plain totals for the ratio (written by the engine thread only)
         self.decoded_sum = 0
+        self.prefix_hit_sum = 0
+        self.prefix_query_sum = 0
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests that ended, by outcome",
@@ -77,6 +86,10 @@ class ServerMetrics:
                                registry=r)
         self.flip_flops = Counter(PREFIX + "flip_flops", "Remasks whose next commit wrote the "
                                   "same token again", registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked "
+                                      "up in the prefix cache", registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens whose K/V came "
+                                   "from the prefix cache", registry=r)
         self.kv_pages_used = Gauge(PREFIX + "kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_pages_total = Gauge(PREFIX + "kv_pages_total", "KV cache pages in the pool",
                                     registry=r)
@@ -99,6 +112,10 @@ class ServerMetrics:
         self.decoded_sum += m.decoded_tokens
         self.remasks.inc(m.remasks)
         self.flip_flops.inc(m.flip_flops)
+        self.prefix_queries.inc(m.prefix_query_tokens)
+        self.prefix_hits.inc(m.cached_prompt_tokens)
+        self.prefix_query_sum += m.prefix_query_tokens
+        self.prefix_hit_sum += m.cached_prompt_tokens
 
     def on_outcome(self, outcome: str) -> None:
         """A request that ended without output: 'abort' (client gone) or 'error'."""
