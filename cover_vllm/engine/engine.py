@@ -118,9 +118,14 @@ class Engine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
         total = len(ids) + params.max_tokens
+        kind = self.spec.attention
+        if kind.is_block_causal:          # the canvas runs on to its last block's end
+            block = params.block_length or kind.block_size
+            total = -(-total // block) * block
         if total > self.spec.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's max length {self.spec.max_model_len}")
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"needs a {total}-token canvas, beyond the model's max length "
+                             f"{self.spec.max_model_len}")
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
