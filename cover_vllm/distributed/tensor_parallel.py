@@ -1,27 +1,37 @@
 """Tensor parallelism as a transform over a built model: slice its Linear weights in place.
 
-Megatron-style split of every transformer layer over `world_size` ranks, rank r keeping a
-contiguous slice:
+Megatron-style split over `world_size` ranks, rank r keeping a contiguous 1/N of each split
+dimension. Which Linear is split which way is declared by the modules themselves: every module
+that owns Linear layers may define `parallel_plan() -> ParallelPlan` (models/base.py) naming its
+own Linear attributes; `collect_plan` walks `model.modules()` and gathers them, so this file
+knows no model family and tests no module type. A module without a plan is replicated whole.
 
-* column-parallel (output rows sliced, no communication): q/k/v projections (query heads
+* `column` (output rows sliced, no communication): q/k/v projections (query heads
   [r·H/N, (r+1)·H/N), kv heads [r·Hkv/N, (r+1)·Hkv/N), so GQA groups stay on one rank) and the
-  MLP gate/up projections (`ff_proj`/`up_proj`, `gate_proj`/`up_proj`, every MoE expert's);
-* row-parallel (input columns sliced, partial outputs summed by an all-reduce in a forward
-  hook): `attn_out`/`o_proj` and `ff_out`/`down_proj`. A row-parallel bias is kept on rank 0
-  only (zeroed elsewhere) so the sum adds it once. A sparse MoE block reduces once at its output
-  (the router is replicated, so every rank routes identically), not once per expert.
+  MLP gate/up projections.
+* `column_splits` {name: piece sizes}: one fused column Linear whose rows are pieces side by
+  side (LLaDA2's `query_key_value`: q | k | v rows); rank r keeps its 1/N of every piece,
+  concatenated, so it holds its own q, k and v heads in the same layout at 1/N the size.
+* `row` (input columns sliced, partial outputs summed by an all-reduce in a forward hook):
+  attention output and MLP down projections. A row-parallel bias is kept on rank 0 only (zeroed
+  elsewhere) so the sum adds it once.
+* `row_unreduced`: row-parallel without the all-reduce; a parent declaring `reduce_output`
+  sums once at its own output instead (a sparse MoE block: the router is replicated, so every
+  rank routes identically, and its experts' partial outputs are reduced once, not per expert).
+* `local_dims`: the module's `dims` become the rank's (H/N heads, Hkv/N kv heads); if any
+  module declares it, the model's `dims` do too, which is what sizes the rank's KV cache shard.
 
-Embeddings, norms, the router and the LM head are replicated: every rank computes the same
-(full-vocabulary) logits and only the driver's are used, so no gather is needed. The model's and
-each attention module's `dims` become the local ones (H/N heads, Hkv/N kv heads), which is what
-sizes the rank's KV cache shard. The attention backend and the COVER override correction are per
-head, so they run on a head shard unchanged.
+Embeddings, norms, routers and the LM head are replicated: every rank computes the same
+(full-vocabulary) logits and only the driver's are used, so no gather is needed. The attention
+backend and the COVER override correction are per head, so they run on a head shard unchanged.
 
 `check_tensor_parallel` raises ValueError (naming `tensor_parallel_size`) when the split is not
-even; it runs on a meta-device model before any worker starts. A worker shards its model while
-it is still on the meta device (`shard` works on meta and real tensors alike) and asks the
-loader for exactly `param_slices` of each checkpoint tensor, so a rank never holds a full copy
-of a sharded weight.
+even (heads, kv heads, every split width and every fused piece); it runs on a meta-device model
+before any worker starts, and on a model that declares no plan at all. A worker shards its
+model while it is still on the meta device (`shard` works on meta and real tensors alike) and
+asks the loader for exactly `param_slices` of each checkpoint tensor (several ranges of one
+tensor for a fused piece split: `Slice.pieces`), so a rank never holds a full copy of a sharded
+weight.
 """
 
 from __future__ import annotations
@@ -33,10 +43,8 @@ import torch
 from torch import nn
 
 from cover_vllm.distributed.comm import GroupComm
-from cover_vllm.models.base import ModelDims
-from cover_vllm.models.layers import SelfAttention, SwiGLU
-from cover_vllm.models.llada import LLaDABlock
-from cover_vllm.models.llada_moe import SparseMoE
+from cover_vllm.models.base import ModelDims, ParallelPlan
+from cover_vllm.models.layers import fuse_projections
 from cover_vllm.models.safetensors_io import Slice
 
 if TYPE_CHECKING:
@@ -44,80 +52,143 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class _Plan:
-    column: list[nn.Linear] = dataclasses.field(default_factory=list)
-    row: list[tuple[nn.Linear, bool]] = dataclasses.field(default_factory=list)  # (linear, reduce)
+class _Split:
+    """One split Linear: `dim` 0 = column (output rows), 1 = row (input columns); `pieces`
+    are the sizes along `dim` each sliced 1/N (one piece: the whole width)."""
+
+    name: str                   # qualified module name, e.g. "model.layers.0.self_attn.q_proj"
+    linear: nn.Linear
+    dim: int
+    pieces: tuple[int, ...]
+    reduce: bool = False        # row: all-reduce the Linear's output
+
+
+@dataclasses.dataclass
+class TPPlan:
+    """Every module's declared split, gathered over the whole model (`collect_plan`)."""
+
+    splits: list[_Split] = dataclasses.field(default_factory=list)
     reduce_at: list[nn.Module] = dataclasses.field(default_factory=list)   # all-reduce outputs
     with_dims: list[nn.Module] = dataclasses.field(default_factory=list)   # modules with .dims
+    declared: int = 0           # modules that declared a plan
 
 
-def _plan(model: nn.Module) -> _Plan:
-    """Which Linear is split which way, from the module types of the three families."""
-    plan = _Plan()
-    experts = {id(e) for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts}
-    for m in model.modules():
-        if isinstance(m, LLaDABlock):
-            plan.column += [m.q_proj, m.k_proj, m.v_proj, m.ff_proj, m.up_proj]
-            plan.row += [(m.attn_out, True), (m.ff_out, True)]
-            plan.with_dims.append(m)
-        elif isinstance(m, SelfAttention):
-            plan.column += [m.q_proj, m.k_proj, m.v_proj]
-            plan.row.append((m.o_proj, True))
-            plan.with_dims.append(m)
-        elif isinstance(m, SwiGLU):
-            plan.column += [m.gate_proj, m.up_proj]
-            plan.row.append((m.down_proj, id(m) not in experts))
-        elif isinstance(m, SparseMoE):
-            plan.reduce_at.append(m)
-    if not plan.with_dims:
-        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan "
-                         "(no LLaDA block or self-attention module found); use "
-                         "tensor_parallel_size=1")
+def _linear(module: nn.Module, attr: str, where: str) -> nn.Linear:
+    linear = getattr(module, attr, None)
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"{type(module).__name__} ({where or 'the model'}) declares "
+                         f"{attr!r} in its parallel_plan(), which is not an nn.Linear of it")
+    return linear
+
+
+def _module_splits(module: nn.Module, where: str, plan: ParallelPlan) -> list[_Split]:
+    def qualified(attr: str) -> str:
+        return f"{where}.{attr}" if where else attr
+
+    out = []
+    for attr in plan.column:
+        if attr not in plan.column_splits:           # listed in both: the pieces win
+            lin = _linear(module, attr, where)
+            out.append(_Split(qualified(attr), lin, 0, (lin.out_features,)))
+    for attr, pieces in plan.column_splits.items():
+        lin = _linear(module, attr, where)
+        if sum(pieces) != lin.out_features:
+            raise ValueError(f"{type(module).__name__} ({where}) declares column_splits "
+                             f"{attr}={tuple(pieces)}, which add up to {sum(pieces)}, not its "
+                             f"{lin.out_features} output rows")
+        out.append(_Split(qualified(attr), lin, 0, tuple(pieces)))
+    for attrs, reduce in ((plan.row, True), (plan.row_unreduced, False)):
+        for attr in attrs:
+            lin = _linear(module, attr, where)
+            out.append(_Split(qualified(attr), lin, 1, (lin.in_features,), reduce))
+    return out
+
+
+def collect_plan(model: nn.Module) -> TPPlan:
+    """The split every module of `model` declares in `parallel_plan()`; ValueError when none
+    declares one (the model cannot be sharded) or a declaration names no Linear of its module."""
+    plan = TPPlan()
+    seen: set[int] = set()
+    for where, module in model.named_modules():
+        declare = getattr(module, "parallel_plan", None)
+        if not callable(declare):
+            continue
+        declared: ParallelPlan = declare()
+        plan.declared += 1
+        for split in _module_splits(module, where, declared):
+            if id(split.linear) in seen:
+                raise ValueError(f"{split.name} is split by two parallel plans")
+            seen.add(id(split.linear))
+            plan.splits.append(split)
+        if declared.reduce_output:
+            plan.reduce_at.append(module)
+        if declared.local_dims:
+            plan.with_dims.append(module)
+    if not plan.declared:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (no module "
+                         "declares parallel_plan()); use tensor_parallel_size=1")
     return plan
 
 
+def _with_dims(model: nn.Module, plan: TPPlan) -> list[nn.Module]:
+    """The modules whose `dims` become the rank's: those declaring `local_dims`, and the model
+    itself (its dims size the KV cache) when any does."""
+    return list(dict.fromkeys([model, *plan.with_dims])) if plan.with_dims else []
+
+
 def check_tensor_parallel(model: nn.Module, world_size: int) -> None:
-    """ValueError unless heads, kv heads and every MLP width split evenly over `world_size`."""
-    dims: ModelDims = model.dims
-    for what, n in (("attention heads", dims.num_heads), ("kv heads", dims.num_kv_heads)):
-        if n % world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} must divide the number of "
-                             f"{what} ({n}) of {type(model).__name__}")
-    plan = _plan(model)
-    for linear in plan.column:
-        if linear.out_features % world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} must divide the MLP width "
-                             f"{linear.out_features} of {type(model).__name__}")
+    """ValueError unless heads, kv heads (when attention is split), every split width and
+    every fused piece split evenly over `world_size`."""
+    plan = collect_plan(model)
+    name = type(model).__name__
+    for dims in {m.dims for m in _with_dims(model, plan)}:
+        for what, n in (("attention heads", dims.num_heads), ("kv heads", dims.num_kv_heads)):
+            if n % world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} must divide the number "
+                                 f"of {what} ({n}) of {name}")
+    for split in plan.splits:
+        bad = [p for p in split.pieces if p % world_size]
+        if not bad:
+            continue
+        if len(split.pieces) > 1:
+            raise ValueError(f"tensor_parallel_size={world_size} must divide every piece "
+                             f"{split.pieces} of the fused {split.name} of {name}")
+        kind = "output" if split.dim == 0 else "input"
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the {kind} width "
+                         f"{bad[0]} of {split.name} of {name} (an MLP or attention width)")
+
+
+def _slice(split: _Split, rank: int, world_size: int) -> Slice:
+    """Rank `rank`'s ranges of `split` along its dim: its 1/N of every piece, in order."""
+    ranges, offset = [], 0
+    for piece in split.pieces:
+        size = piece // world_size
+        ranges.append((offset + rank * size, size))
+        offset += piece
+    return Slice.of_ranges(split.dim, ranges, offset)
 
 
 def param_slices(model: nn.Module, rank: int, world_size: int) -> dict[str, Slice]:
     """What rank `rank` holds of every sharded parameter of the unsharded `model` (meta is
     fine), by name: the loader reads exactly that slice of the checkpoint tensor. Parameters
     not listed are replicated whole."""
-    names = {id(m): n for n, m in model.named_modules()}
-    plan, out = _plan(model), {}
-
-    def part(n: int, dim: int) -> Slice:
-        size = n // world_size
-        return Slice(dim, rank * size, size, n)
-
-    for linear in plan.column:
-        prefix = names[id(linear)]
-        out[f"{prefix}.weight"] = part(linear.out_features, 0)
-        if linear.bias is not None:
-            out[f"{prefix}.bias"] = part(linear.out_features, 0)
-    for linear, _ in plan.row:
-        prefix = names[id(linear)]
-        out[f"{prefix}.weight"] = part(linear.in_features, 1)
-        if linear.bias is not None and rank != 0:
-            n = linear.out_features
-            out[f"{prefix}.bias"] = Slice(0, 0, n, n, zero=True)
+    out = {}
+    for split in collect_plan(model).splits:
+        sl = _slice(split, rank, world_size)
+        out[f"{split.name}.weight"] = sl
+        bias = split.linear.bias
+        if bias is None:
+            continue
+        if split.dim == 0:
+            out[f"{split.name}.bias"] = sl                  # [out]: the same rows
+        elif rank != 0:
+            n = split.linear.out_features
+            out[f"{split.name}.bias"] = Slice(0, 0, n, n, zero=True)
     return out
 
 
-def _narrow(t: torch.Tensor, dim: int, rank: int, world_size: int) -> nn.Parameter:
-    size = t.shape[dim] // world_size
-    return nn.Parameter(t.narrow(dim, rank * size, size).clone(), requires_grad=False)
+def _shard_param(t: torch.Tensor, sl: Slice) -> nn.Parameter:
+    return nn.Parameter(sl.take(t).clone(), requires_grad=False)
 
 
 class TensorParallel:
@@ -132,28 +203,35 @@ class TensorParallel:
 
     @torch.no_grad()
     def shard(self, model: nn.Module) -> None:
-        """Slice `model`'s weights in place to this rank's shard and install the all-reduces."""
+        """Slice `model`'s weights in place to this rank's shard and install the all-reduces;
+        projections that run as one GEMM are fused again over the shards (`fuse_projections`;
+        nothing to do on meta, where `materialize` fuses them)."""
         check_tensor_parallel(model, self.world_size)
         rank, n = self.rank, self.world_size
-        plan = _plan(model)
-        for linear in plan.column:
-            linear.weight = _narrow(linear.weight, 0, rank, n)
-            if linear.bias is not None:
-                linear.bias = _narrow(linear.bias, 0, rank, n)
-            linear.out_features = linear.weight.shape[0]
-        for linear, reduce in plan.row:
-            linear.weight = _narrow(linear.weight, 1, rank, n)
+        plan = collect_plan(model)
+        for split in plan.splits:
+            linear, sl = split.linear, _slice(split, rank, n)
+            linear.weight = _shard_param(linear.weight, sl)
+            if split.dim == 0:
+                if linear.bias is not None:
+                    linear.bias = _shard_param(linear.bias, sl)
+                linear.out_features = linear.weight.shape[0]
+                continue
             linear.in_features = linear.weight.shape[1]
             if linear.bias is not None and rank != 0:
                 linear.bias.zero_()                   # added once, by rank 0, before the sum
-            if reduce:
+            if split.reduce:
                 linear.register_forward_hook(self._all_reduce_hook)
         for module in plan.reduce_at:
             module.register_forward_hook(self._all_reduce_hook)
-        local = dataclasses.replace(model.dims, num_heads=model.dims.num_heads // n,
-                                    num_kv_heads=model.dims.num_kv_heads // n)
-        for module in [model, *plan.with_dims]:
-            module.dims = local
+        local: dict[ModelDims, ModelDims] = {}     # one local object per distinct dims
+        for module in _with_dims(model, plan):
+            dims: ModelDims = module.dims
+            if dims not in local:
+                local[dims] = dataclasses.replace(dims, num_heads=dims.num_heads // n,
+                                                  num_kv_heads=dims.num_kv_heads // n)
+            module.dims = local[dims]
+        fuse_projections(model)
 
     def reduce_stats(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """Average the per-rank head means of `drift` / `attn_in` into whole-model means (each

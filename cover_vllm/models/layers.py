@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims
+from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan
 
 
 class RMSNorm(nn.Module):
@@ -209,10 +209,15 @@ def pack_projections(model: nn.Module) -> int:
 
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF Llama/Qwen2 tensor names; gate and up
-    run as one GEMM once fused (`FusedLinears`)."""
+    run as one GEMM once fused (`FusedLinears`).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    Tensor parallel: gate/up column-, down row-parallel. `reduce_output=False` marks a sparse
+    MoE's expert: its partial output is not all-reduced here, the MoE block reduces its sum."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce_output: bool = True):
         super().__init__()
+        self.reduce_output = reduce_output
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -221,6 +226,11 @@ class SwiGLU(nn.Module):
 
     def fused_groups(self) -> list[FusedLinears]:
         return [self.gate_up, self.down]
+
+    def parallel_plan(self) -> ParallelPlan:
+        if self.reduce_output:
+            return ParallelPlan(column=("gate_proj", "up_proj"), row=("down_proj",))
+        return ParallelPlan(column=("gate_proj", "up_proj"), row_unreduced=("down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_up(x)))
@@ -261,6 +271,11 @@ class SelfAttention(nn.Module):
 
     def fused_groups(self) -> list[FusedLinears]:
         return [self.qkv, self.out]
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads split over the ranks (q: H/N, k and v: Hkv/N each); o_proj reduces."""
+        return ParallelPlan(column=("q_proj", "k_proj", "v_proj"), row=("o_proj",),
+                            local_dims=True)
 
     def forward(self, h: torch.Tensor, layer: int, rot: Rotation,
                 attn: AttentionFn) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, key_padding_forward
+from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan, key_padding_forward
 from cover_vllm.models.layers import (FusedLinears, RMSNorm, RotaryEmbedding, Rotation,
                                       rotate_qk, swiglu)
 from cover_vllm.models.spec import ModelSpec
@@ -54,6 +54,11 @@ class LLaDABlock(nn.Module):
 
     def fused_groups(self) -> list[FusedLinears]:
         return [self.qkv, self.gate_up, self.out, self.down]
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Heads and the MLP width split over the ranks; attn_out and ff_out reduce."""
+        return ParallelPlan(column=("q_proj", "k_proj", "v_proj", "ff_proj", "up_proj"),
+                            row=("attn_out", "ff_out"), local_dims=True)
 
     def forward(self, x: torch.Tensor, layer: int, rot: Rotation,
                 attn: AttentionFn) -> torch.Tensor:

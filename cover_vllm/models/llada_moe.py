@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import ModelDims, key_padding_forward
+from cover_vllm.models.base import ModelDims, ParallelPlan, key_padding_forward
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
@@ -60,17 +60,24 @@ def moe_layer_flags(cfg: dict[str, Any]) -> list[bool]:
 
 
 class SparseMoE(nn.Module):
-    """`mlp.gate` router + `mlp.experts.{e}` SwiGLUs; top-k of an fp32 softmax, not renormalised."""
+    """`mlp.gate` router + `mlp.experts.{e}` SwiGLUs; top-k of an fp32 softmax, not renormalised.
+
+    Tensor parallel: the router is replicated (every rank routes identically); each expert is
+    split like a dense SwiGLU but left unreduced, and the block all-reduces its sum once."""
 
     def __init__(self, cfg: dict[str, Any], hidden_size: int):
         super().__init__()
         num_experts = cfg["num_experts"]
         self.top_k = cfg["num_experts_per_tok"]
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden_size, cfg["expert_intermediate_size"])
+        self.experts = nn.ModuleList(SwiGLU(hidden_size, cfg["expert_intermediate_size"],
+                                            reduce_output=False)
                                      for _ in range(num_experts))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts))
                             if cfg.get("moe_router_enable_expert_bias") else None)
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(reduce_output=True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, k] in x.dtype, expert ids [T, k])."""

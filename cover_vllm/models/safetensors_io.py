@@ -34,16 +34,49 @@ ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 class Slice:
     """Elements [start, start + size) along `dim` of a checkpoint tensor whose full length there
     is `full` (one tensor-parallel rank's shard); `zero=True`: the rank holds zeros of the
-    shard's shape instead (a row-parallel bias is added by rank 0 only)."""
+    shard's shape instead (a row-parallel bias is added by rank 0 only).
+
+    `pieces`: several (start, size) ranges along `dim`, concatenated in that order (a rank's
+    share of a fused tensor such as LLaDA2's query_key_value: its q rows, then its k rows, then
+    its v rows); build one with `Slice.of_ranges`. `start` is then the first range's start and
+    `size` their total, so code that only reads `size` (the shard's length) stays right;
+    `ranges` lists the ranges of any Slice."""
 
     dim: int
     start: int
     size: int
     full: int
     zero: bool = False
+    pieces: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        if self.pieces and (sum(n for _, n in self.pieces) != self.size
+                            or self.pieces[0][0] != self.start):
+            raise ValueError(f"Slice pieces {self.pieces} do not start at {self.start} and add "
+                             f"up to size {self.size}")
+        if any(s < 0 or n < 0 or s + n > self.full for s, n in self.ranges):
+            raise ValueError(f"Slice ranges {self.ranges} leave [0, {self.full})")
+
+    @classmethod
+    def of_ranges(cls, dim: int, ranges: list[tuple[int, int]], full: int) -> Slice:
+        """The concatenation of `ranges` [(start, size), ...] along `dim`; one range gives a
+        plain Slice (no `pieces`)."""
+        ranges = tuple((int(s), int(n)) for s, n in ranges)
+        size = sum(n for _, n in ranges)
+        return cls(dim, ranges[0][0], size, full, pieces=ranges if len(ranges) > 1 else ())
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (start, size) ranges read, in shard order."""
+        return self.pieces or ((self.start, self.size),)
 
     def full_shape(self, shard_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.full if d == self.dim else n for d, n in enumerate(shard_shape))
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This slice of the full tensor (a view for one range, a new tensor for pieces)."""
+        parts = [full.narrow(self.dim, s, n) for s, n in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)
@@ -104,34 +137,59 @@ def _readinto(f: BinaryIO, offset: int, buf: memoryview) -> None:
 
 def read_tensor_into(f: BinaryIO, info: TensorInfo, dst: torch.Tensor,
                      sl: Slice | None = None) -> None:
-    """Fill `dst` with the tensor at `info` (or with its slice `sl`), converting to dst.dtype."""
+    """Fill `dst` with the tensor at `info` (or with its slice `sl`, every range of it side by
+    side along `sl.dim`), converting to dst.dtype; never more than a range or a staging chunk
+    of the source is read at once."""
     assert sys.byteorder == "little", "safetensors data is little-endian"
     # The tensor as [outer, length, inner] around the sliced dim; rows of `outer` are strided.
     dim = sl.dim if sl is not None else 0
     shape = info.shape or (1,)
     outer, length, inner = numel(shape[:dim]), shape[dim], numel(shape[dim + 1:])
-    start, size = (sl.start, sl.size) if sl is not None else (0, length)
+    ranges = sl.ranges if sl is not None else ((0, length),)
     item = info.dtype.itemsize
     direct = dst.device.type == "cpu" and dst.dtype == info.dtype and dst.is_contiguous()
-    if direct and (outer == 1 or size == length):                  # one contiguous byte range
-        _readinto(f, info.offset + start * inner * item, _as_bytes(dst))
+    flat = dst.view(outer, sum(n for _, n in ranges), inner)
+    if outer > 1 and not (direct and ranges == ((0, length),)):
+        _read_strided(f, info, flat, length, ranges)
         return
-    flat = dst.view(outer, size, inner)
-    row_bytes = length * inner * item                              # one outer row, unsliced
-    if outer == 1:                                                 # dim-0 slice, other dtype
-        per = max(1, CHUNK_BYTES // max(1, inner * item))
-        for a in range(0, size, per):
-            n = min(per, size - a)
-            stage = torch.empty((n, inner), dtype=info.dtype)
-            _readinto(f, info.offset + (start + a) * inner * item, _as_bytes(stage))
-            flat[0, a:a + n].copy_(stage)
-        return
-    per = max(1, CHUNK_BYTES // row_bytes)                         # strided: whole outer rows
+    at = 0
+    for start, size in ranges:                 # outer == 1 or the whole tensor: one byte range
+        part = flat[:, at:at + size]           # [outer, size, inner], contiguous in dst
+        at += size
+        if direct:
+            _readinto(f, info.offset + start * inner * item, _as_bytes(part))
+        else:
+            _read_rows(f, info, part[0], start)
+
+
+def _read_rows(f: BinaryIO, info: TensorInfo, dst: torch.Tensor, start: int) -> None:
+    """dst [size, inner] <- rows [start, start + size) of the tensor viewed as [length, inner],
+    through a staging buffer of at most CHUNK_BYTES (dtype conversion)."""
+    size, inner = dst.shape
+    item = info.dtype.itemsize
+    per = max(1, CHUNK_BYTES // max(1, inner * item))
+    for a in range(0, size, per):
+        n = min(per, size - a)
+        stage = torch.empty((n, inner), dtype=info.dtype)
+        _readinto(f, info.offset + (start + a) * inner * item, _as_bytes(stage))
+        dst[a:a + n].copy_(stage)
+
+
+def _read_strided(f: BinaryIO, info: TensorInfo, flat: torch.Tensor, length: int,
+                  ranges: tuple[tuple[int, int], ...]) -> None:
+    """flat [outer, sum(sizes), inner] <- the ranges of the tensor viewed as [outer, length,
+    inner], a few whole outer rows (at most CHUNK_BYTES) staged at a time."""
+    outer, _, inner = flat.shape
+    row_bytes = length * inner * info.dtype.itemsize                 # one outer row, unsliced
+    per = max(1, CHUNK_BYTES // row_bytes)
     for a in range(0, outer, per):
         n = min(per, outer - a)
         stage = torch.empty((n, length, inner), dtype=info.dtype)
         _readinto(f, info.offset + a * row_bytes, _as_bytes(stage))
-        flat[a:a + n].copy_(stage[:, start:start + size])
+        at = 0
+        for start, size in ranges:
+            flat[a:a + n, at:at + size].copy_(stage[:, start:start + size])
+            at += size
 
 
 def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],

@@ -1,8 +1,9 @@
 """Where parameter values come from: a checkpoint directory or the deterministic dummy generator.
 
 Both fill an already-allocated parameter in place, in its final dtype and device, with the whole
-tensor or one tensor-parallel rank's `Slice` of it; neither ever builds the full tensor of a
-slice or an fp32 copy of the model.
+tensor or one tensor-parallel rank's `Slice` of it (one range, or several side by side for a
+fused tensor's pieces); neither ever builds the full tensor of a slice or an fp32 copy of the
+model.
 
 Dummy weights are generated a chunk of rows at a time, each chunk from its own generator seeded
 by (seed, tensor name, chunk index): a rank's shard is exactly the same slice of the TP=1 tensor,
@@ -126,12 +127,13 @@ class DummyWeights:
         if sl is None or sl.dim != 0:
             for start, piece in self.chunks(name, dst.dtype):
                 if sl is not None:
-                    piece = piece.narrow(sl.dim, sl.start, sl.size)
+                    piece = sl.take(piece)            # every range of the sliced dim
                 dst[start:start + piece.shape[0]].copy_(piece)
             return
-        rows = (sl.start, sl.start + sl.size)
-        for start, piece in self.chunks(name, dst.dtype, rows):   # dim 0: overlapping rows
-            lo, hi = max(start, sl.start), min(start + piece.shape[0], sl.start + sl.size)
-            if lo < hi:
-                dst[lo - sl.start:hi - sl.start].copy_(piece[lo - start:hi - start])
-
+        at = 0
+        for first, size in sl.ranges:                 # dim 0: each range's overlapping rows
+            for start, piece in self.chunks(name, dst.dtype, (first, first + size)):
+                lo, hi = max(start, first), min(start + piece.shape[0], first + size)
+                if lo < hi:
+                    dst[at + lo - first:at + hi - first].copy_(piece[lo - start:hi - start])
+            at += size
