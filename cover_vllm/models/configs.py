@@ -1,5 +1,6 @@
-"""Built-in configs (config.json contents): weightless shapes for `load_format="dummy"` and for
-`cover-vllm make-checkpoint --shape NAME`.
+"""Built-in shapes' data (config.json contents): weightless shapes for `load_format="dummy"` and
+for `cover-vllm make-checkpoint --shape NAME`. Each family's registry entry (models/registry.py)
+names its shapes; `DUMMY_CONFIGS` (name -> config) is that table, kept for older callers.
 
 Full-size shapes follow the published config.json of each model (sources next to each one).
 """
@@ -73,8 +74,11 @@ LLADA_MOE_7B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
-DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llada-50m": LLADA_50M, "llada-300m": LLADA_300M, "llada-8b": LLADA_8B,
-    "llada-1.5": LLADA_8B, "dream-7b": DREAM_7B, "dream-coder-7b": DREAM_7B,
-    "llada-moe-7b": LLADA_MOE_7B,
-}
+
+def __getattr__(name: str) -> Any:
+    """`DUMMY_CONFIGS`: every built-in shape by name, from the registry (one source of truth)."""
+    if name == "DUMMY_CONFIGS":
+        from cover_vllm.models.registry import builtin_shapes
+
+        return builtin_shapes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
