@@ -111,6 +111,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("llada_moe", ("lladamoe", "llada_moe"),
            ("cover_vllm.models.llada_moe", "LLaDAMoEModelLM"), "LLaDAMoEModelLM",
            shapes={"llada-moe-7b": configs.LLADA_MOE_7B}),
+    # block 4 when a config lacks `block_size` (JetAstra/SDAR README: the Chat models decode
+    # with block_length 4)
+    Family("sdar", ("sdar",), ("cover_vllm.models.sdar", "SDARForCausalLM"), "SDARForCausalLM",
+           attention=BlockCausal("block_size", default=4)),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
