@@ -209,10 +209,16 @@ def pack_projections(model: nn.Module) -> int:
 
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF Llama/Qwen2 tensor names; gate and up
-    run as one GEMM once fused (`FusedLinears`)."""
+    run as one GEMM once fused (`FusedLinears`).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    `reduce_output=False` marks an MLP whose partial tensor-parallel output a parent module sums
+    once (a sparse MoE block's experts and shared expert): its row-parallel `down_proj` is not
+    all-reduced on its own."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce_output: bool = True):
         super().__init__()
+        self.reduce_output = reduce_output
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)

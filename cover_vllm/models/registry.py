@@ -115,6 +115,10 @@ FAMILIES: tuple[Family, ...] = (
     # with block_length 4)
     Family("sdar", ("sdar",), ("cover_vllm.models.sdar", "SDARForCausalLM"), "SDARForCausalLM",
            attention=BlockCausal("block_size", default=4)),
+    # block 32: the official `generate`'s block_length default (the config has no block key)
+    Family("llada2", ("llada2_moe",), ("cover_vllm.models.llada2", "LLaDA2MoeModelLM"),
+           "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
+           fused_tensors=llada2_fused_tensors),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
