@@ -114,11 +114,14 @@ FAMILIES: tuple[Family, ...] = (
     # block 4 when a config lacks `block_size` (JetAstra/SDAR README: the Chat models decode
     # with block_length 4)
     Family("sdar", ("sdar",), ("cover_vllm.models.sdar", "SDARForCausalLM"), "SDARForCausalLM",
-           attention=BlockCausal("block_size", default=4)),
+           attention=BlockCausal("block_size", default=4),
+           shapes={"sdar-1.7b": configs.SDAR_1_7B, "sdar-4b": configs.SDAR_4B,
+                   "sdar-8b": configs.SDAR_8B}),
     # block 32: the official `generate`'s block_length default (the config has no block key)
     Family("llada2", ("llada2_moe",), ("cover_vllm.models.llada2", "LLaDA2MoeModelLM"),
            "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
-           fused_tensors=llada2_fused_tensors),
+           fused_tensors=llada2_fused_tensors,
+           shapes={"llada2-mini": configs.LLADA2_MINI, "llada2.1-mini": configs.LLADA2_MINI}),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
