@@ -151,7 +151,8 @@ SMALL_SHAPES = {
 }
 OFFICIAL_NAMES = {
     "llada2": ["model.word_embeddings.weight", "model.layers.0.attention.query_key_value.weight",
-               "model.layers.0.attention.query_layernorm.weight", "model.layers.0.mlp.up_proj.weight",
+               "model.layers.0.attention.query_layernorm.weight",
+               "model.layers.0.mlp.up_proj.weight",
                "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias",
                "model.layers.1.mlp.experts.7.down_proj.weight",
                "model.layers.1.mlp.shared_experts.gate_proj.weight", "lm_head.weight"],
