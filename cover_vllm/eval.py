@@ -137,6 +137,7 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
             fixed = strategy_class(decoding).fixed_schedule
             for k in (spec.tokens_per_step if fixed else (None,)):
                 for cache in choices:
+                    llm.reset_prefix_cache()   # a row reuses no prompt block of another row
                     row, _ = evaluate_one(llm, task, examples, decoding, k, params.get(decoding),
                                           spec.use_tqdm, cache=cache)
                     rows.append(row)

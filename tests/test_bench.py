@@ -15,11 +15,14 @@ from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.engine.observer import StepObserver
 from cover_vllm.entrypoints.cli import main
 from cover_vllm.strategies import strategy_class
+from golden_cases import GOLDEN
 
 RESULT_KEYS = {"dtype", "decoding", "kv_cache", "batch_size", "tokens_per_s", "requests_per_s",
                "nfe_per_token", "speedup_vs_reference", "overhead_fraction", "mfu", "accuracy",
                "tokens_per_step", "latency_mean_s", "latency_p50_s", "latency_p99_s", "remasks",
-               "flip_flops", "peak_kv_pages", "gflops_per_token", "flop_ratio_vs_reference"}
+               "flip_flops", "peak_kv_pages", "gflops_per_token", "flop_ratio_vs_reference",
+               "flops_per_token", "prefix_hit_rate"}
+SDAR = str(GOLDEN / "sdar" / "model")          # block-causal, block_size 4, no tokenizer
 
 
 def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
@@ -117,6 +120,60 @@ def test_bench_latency_reports_every_phase(tmp_path, capsys):
     assert strategy_class("cover").decide.__qualname__ == "Cover.decide"   # recording undone
     out = capsys.readouterr().out
     assert "| cover | dual |" in out and "identical windows" in out
+
+
+def test_bench_throughput_on_a_block_causal_model_reports_flops_with_and_without_cache(
+        tmp_path, capsys):
+    """SDAR (golden checkpoint): per-block KV reuse spends fewer FLOPs per token than full
+    recomputation; no reference loop (it is LLaDA's full attention); random prompts share no
+    prompt block, and the warm-up's are forgotten: a hit rate of 0 where the cache is looked up."""
+    path = tmp_path / "bench.json"
+    code = main(["bench", "throughput", "--model", SDAR, "--kv-cache", "none,dual",
+                 "--input-len", "40", "--output-len", "16", "--batch-size", "2",
+                 "--num-prompts", "2", "--threads", "1", "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    assert report["reference"] == {"float32": None}
+    none, dual = report["results"]
+    assert (none["kv_cache"], dual["kv_cache"]) == ("none", "dual")
+    for r in (none, dual):
+        assert RESULT_KEYS <= set(r) and r["tokens_per_s"] > 0
+        assert r["nfe_per_token"] > 0 and r["flops_per_token"] > 0
+    assert dual["flops_per_token"] < none["flops_per_token"]
+    assert dual["gflops_per_token"] < none["gflops_per_token"]
+    assert none["prefix_hit_rate"] is None and dual["prefix_hit_rate"] == 0.0
+    assert "prefix_hit_rate" in capsys.readouterr().out
+
+
+def test_bench_prefix_hit_rate_counts_the_rows_shared_prompt_blocks(monkeypatch):
+    """Three equal prompts, one at a time: the second and third find every full prompt page the
+    first computed (2 of 2 pages each: 2/3 overall); the warm-up's pages were forgotten."""
+
+    class SamePrompt(Workload):
+        def __init__(self, spec, llm, n):
+            super().__init__(spec, llm, n)
+            self.prompts = [self.prompts[0]] * n
+
+    monkeypatch.setattr(throughput, "Workload", SamePrompt)
+    spec = ThroughputSpec(model=SDAR, kv_caches=("dual",), batch_sizes=(1,), num_prompts=3,
+                          input_len=40, output_len=8, threads=1, reference_prompts=0)
+    (row,) = throughput.run_throughput(spec, log=lambda *a: None)["results"]
+    assert row["prefix_hit_rate"] == pytest.approx(2 / 3)
+    assert throughput.prefix_hit_rate([]) is None
+
+
+def test_bench_latency_runs_on_a_block_causal_model(tmp_path):
+    path = tmp_path / "latency.json"
+    code = main(["bench", "latency", "--model", str(GOLDEN / "llada2" / "model"),
+                 "--decoding", "llada2,cover", "--kv-cache", "dual", "--input-len", "10",
+                 "--output-len", "16", "--block-length", "8", "--repeats", "1", "--threads",
+                 "1", "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    assert [r["decoding"] for r in report["results"]] == ["llada2", "cover"]
+    assert all(r["forward_ms"] > 0 and r["nfe"] > 0 for r in report["results"])
+    (same_window,) = report["verification"]
+    assert same_window["steps"] > 0 and same_window["forward_without_seeds_ms"] > 0
 
 
 def test_bench_rejects_unknown_names(capsys):

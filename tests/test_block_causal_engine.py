@@ -4,14 +4,11 @@ caching and its /metrics hit rate."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
 from cover_vllm import LLM, SamplingParams
-
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_cases import GOLDEN
 FAMILIES = {"sdar": 4, "llada2": 8}                  # golden model -> block length used here
 PROMPT_LENS = (5, 13, 16, 21)
 DECODERS = ["low_confidence", "threshold", "cover", "wino", "saber", "asrd"]
@@ -96,6 +93,27 @@ def test_prefix_caching_reuses_full_prompt_blocks_exactly(family):
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
     assert hit.metrics.cached_prompt_tokens == 3 * block
     assert hit.metrics.forward_tokens == ref.metrics.forward_tokens - 3 * block
+
+
+def test_reset_prefix_cache_forgets_every_block():
+    """`LLM.reset_prefix_cache()` (as vLLM's): the next request computes its prompt blocks again,
+    with the same tokens, and every page is free once nothing runs."""
+    block = FAMILIES["sdar"]
+    llm = LLM(model=str(GOLDEN / "sdar" / "model"), dtype="float32", page_size=block)
+    prompt = {"prompt_token_ids": [(11 * j + 5) % 290 for j in range(3 * block + 1)]}
+    params = SamplingParams(max_tokens=8, block_length=block, temperature=0, ignore_eos=True,
+                            decoding="low_confidence")
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.generate([prompt], params, use_tqdm=False)[0].metrics.cached_prompt_tokens \
+        == 3 * block
+    llm.reset_prefix_cache()
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.metrics.cached_prompt_tokens == 0
+    assert again.metrics.forward_tokens == first.metrics.forward_tokens
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.reset_prefix_cache()
+    pool = llm.engine.pool
+    assert pool.num_free == pool.num_pages and not pool.lookup([b"any"])
 
 
 def test_prefix_caching_is_refused_for_full_attention():

@@ -29,6 +29,19 @@ def test_generate_takes_token_ids(capsys):
     assert "[length] nfe=8" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family,decoding", [("sdar", "sdar"), ("llada2", "llada2")])
+def test_generate_takes_token_ids_on_a_block_causal_model(family, decoding, capsys):
+    """A golden block-causal checkpoint (no tokenizer): token ids in, token ids out."""
+    from golden_cases import GOLDEN
+
+    assert main(["generate", str(GOLDEN / family / "model"), "--prompt-token-ids", "5,6,7,8,9",
+                 "--max-tokens", "8", "--decoding", decoding, "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    ids = [int(t) for t in out.split()]
+    assert len(ids) == 8 and all(0 <= t < 300 for t in ids)
+    assert "[length] nfe=" in err
+
+
 @pytest.mark.parametrize("argv,field", [
     (["generate", "cover-tiny", "--prompt", "hi", "--threads", "0"], "--threads"),
     (["eval", "--threads", "0"], "--threads"),

@@ -86,3 +86,35 @@ def test_cover_tiny_loads_without_network_and_generates():
     (out,) = llm.chat([{"role": "user", "content": "Sudoku:\n1423\n32_1\n_13_\n_3__"}],
                       use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text
+
+
+def test_eval_runs_on_a_block_causal_model(tmp_path):
+    """eval's tasks are cover-tiny's (its tokenizer): a random-weight SDAR model with that
+    vocabulary and tokenizer runs them (accuracy ~0), with and without per-block KV reuse."""
+    import shutil
+    from pathlib import Path
+
+    from golden_cases import GOLDEN
+
+    import cover_vllm
+
+    assets = Path(cover_vllm.__file__).parent / "assets" / "cover-tiny"
+    config = json.loads((GOLDEN / "sdar" / "model" / "config.json").read_text())
+    tiny = json.loads((assets / "config.json").read_text())
+    config.update({k: tiny[k] for k in ("vocab_size", "mask_token_id", "eos_token_id",
+                                        "pad_token_id")}, bos_token_id=tiny["eos_token_id"])
+    shape, ckpt = tmp_path / "shape", tmp_path / "ckpt"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps(config))
+    assert main(["make-checkpoint", "--shape", str(shape), "--dtype", "float32", "--out",
+                 str(ckpt)]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(assets / name, ckpt / name)
+    path = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(ckpt), "--task", "word", "--decoding", "low_confidence",
+                 "--kv-cache", "none,dual", "--num", "2", "--threads", "1", "--no-tqdm",
+                 "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["kv_cache"] for r in rows] == ["none", "dual"]
+    assert all(r["num"] == 2 and 0 <= r["accuracy"] <= 1 and r["nfe"] > 0 for r in rows)
+    assert rows[1]["flops_per_token"] < rows[0]["flops_per_token"]

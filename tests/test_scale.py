@@ -235,3 +235,24 @@ def test_make_checkpoint_and_bench_scale_commands(tmp_path):
     from cover_vllm.benchmarks.scale import compare_logits
 
     assert compare_logits(str(tmp_path / "logits.pt"), str(tmp_path / "logits.pt")) == 0.0
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_make_checkpoint_and_bench_scale_on_a_block_causal_model(tmp_path, family, tp):
+    """`make-checkpoint --shape <dir>` writes random weights for a golden block-causal config
+    (LLaDA2's fused QKV and experts, SDAR's q/k norm) and `bench scale` generates with it, at
+    TP=1 and (slow, worker processes) TP=2."""
+    from cover_vllm.entrypoints.cli import main
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "scale.json"
+    assert main(["make-checkpoint", "--shape", str(GOLDEN / family / "model"), "--dtype",
+                 "float32", "--out", str(ckpt)]) == 0
+    assert main(["bench", "scale", "--model", str(ckpt), "--threads", "1", "--output-len", "8",
+                 "--batch-size", "1,2", "--kv-cache-memory-bytes", str(8 << 20),
+                 "--tensor-parallel-size", str(tp), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["load_format"] == "auto" and len(report["peak_rss"]) == tp
+    assert [r["batch_size"] for r in report["generate"]] == [1, 2]
+    for r in report["generate"]:
+        assert r["tokens"] == 8 * r["batch_size"] and r["step_s"] > 0 and r["nfe"] > 0

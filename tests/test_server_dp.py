@@ -156,3 +156,25 @@ def test_tp2_mp_server_smoke(model, offline):
             _complete(client, PROMPTS[4])                 # refused at once from now on
     finally:
         srv.stop()
+
+
+@pytest.mark.slow   # Ray actors / worker processes
+@pytest.mark.parametrize("flags", [
+    pytest.param(("--data-parallel-size", "2"), id="dp2", marks=pytest.mark.ray),
+    pytest.param(("--tensor-parallel-size", "2"), id="tp2")])
+def test_parallel_server_serves_a_block_causal_model(flags, request):
+    """The golden SDAR checkpoint (block-causal, no tokenizer: token-id prompts) behind two Ray
+    replicas or two mp ranks: a request is served (200, every slot generated)."""
+    from golden_cases import GOLDEN
+
+    if flags[0] == "--data-parallel-size":
+        request.getfixturevalue("ray_session")
+    srv = _server(str(GOLDEN / "sdar" / "model"), *flags)
+    try:
+        resp = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "test-model", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 8
+    finally:
+        srv.stop()

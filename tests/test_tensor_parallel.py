@@ -27,10 +27,11 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.strategies import STRATEGIES
 from cover_vllm.worker.worker import Worker
-from golden_cases import GOLDEN
+from golden_cases import GOLDEN, check_batched, load_cases
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [40, 41, 42, 43]}]
 BACKENDS = ["mp", pytest.param("ray", marks=pytest.mark.ray)]
+BLOCK_FAMILIES = {"llada2": 8, "sdar": 4}      # golden block-causal model -> its golden block
 
 
 def _params(name: str) -> SamplingParams:
@@ -39,13 +40,19 @@ def _params(name: str) -> SamplingParams:
 
 
 def _golden_batch(family: str, want_stats: bool = False) -> tuple[SchedulerOutput, int]:
-    """The golden forward rows as one paged batch (as tests/test_paged_forward.py lays it out)."""
+    """The golden forward rows as one paged batch (as tests/test_paged_forward.py lays it out);
+    a block-causal family's rows are whole canvases under its golden block mask."""
     golden = load_file(str(GOLDEN / family / "forward.safetensors"))
     shift = 1 if family == "dream" else 0
-    ids, mask = golden["input_ids"], golden["attention_mask"].bool()
-    rows = [ids[0], ids[1], ids[2][mask[2]]]
+    ids, block = golden["input_ids"], BLOCK_FAMILIES.get(family)
+    if block is None:
+        mask = golden["attention_mask"].bool()
+        rows = [ids[0], ids[1], ids[2][mask[2]]]
+    else:
+        rows = list(ids)
     items = [WorkItem(f"r{i}", 0, [CanvasInput(r, torch.arange(r.numel()) + 64 * i)],
-                      view_start=shift, view_end=int(r.numel()), want_stats=want_stats)
+                      view_start=shift, view_end=int(r.numel()), want_stats=want_stats,
+                      causal_block=block)
              for i, r in enumerate(rows)]
     return SchedulerOutput(items), shift
 
@@ -85,7 +92,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
 
 # ---- the sharding transform, two ranks as threads of this process (no Ray, no processes) -----
 @pytest.mark.parametrize("family", ["llada", pytest.param("dream", marks=pytest.mark.slow),
-                                    pytest.param("llada_moe", marks=pytest.mark.slow)])
+                                    pytest.param("llada_moe", marks=pytest.mark.slow),
+                                    "sdar", "llada2"])
 def test_sharded_forward_matches_unsharded_in_threads(family):
     config = _config(family)
     resolved = resolve_model(config.model)
@@ -106,9 +114,29 @@ def test_sharded_forward_matches_unsharded_in_threads(family):
             assert torch.equal(got[0].logits[i], got[1].logits[i])   # replicated head
             _close(got[0].drift[i], want.drift[i])                     # stats averaged over ranks
             _close(got[0].attn_in[i], want.attn_in[i])
+        _assert_halved(full.model, ranks[0].model)
     finally:
         for c in comms:
             c.close()
+
+
+def _assert_halved(full: torch.nn.Module, rank: torch.nn.Module) -> None:
+    """Every parameter of a rank is its whole-model one or half of it, and every projection
+    (attention, MLP, each routed and shared expert) is half: the experts are sharded by the
+    declared plan, not replicated; routers, norms, embeddings and the head stay whole."""
+    whole = dict(full.named_parameters())
+    halved = set()
+    for name, p in rank.named_parameters():
+        if p.numel() * 2 == whole[name].numel():
+            halved.add(name)
+        else:
+            assert p.shape == whole[name].shape, name
+    projections = {n for n in whole if n.endswith("_proj.weight") or ".query_key_value." in n
+                   or ".dense.weight" in n}
+    assert projections and projections <= halved, sorted(projections - halved)
+    experts = [n for n in whole if ".experts." in n]
+    assert all(n in halved for n in experts)
+    assert not any(".gate.weight" in n or "norm" in n or "embed" in n for n in halved)
 
 
 def test_bad_tensor_parallel_sizes_raise_before_any_process():
@@ -188,6 +216,54 @@ def test_tp2_tokens_match_tp1_for_every_strategy(tp_llm, reference):
         if got != want:
             mismatched.append(name)
     assert not mismatched, f"TP=2 tokens differ from TP=1 for {mismatched} on {family}"
+
+
+# ---- block-causal families (LLaDA2.x MoE, SDAR): TP=2 (mp) == TP=1 == the official code ----
+BLOCK_DECODERS = {"llada2": ("llada2_generate", "llada21_generate"),
+                  "sdar": ("sdar_block_diffusion_generate", "sdar_block_diffusion_generate_argmax")}
+
+
+@pytest.fixture(scope="module", params=sorted(BLOCK_FAMILIES))
+def block_tp(request):
+    """(family, TP=1 LLM, TP=2 LLM) over a golden block-causal checkpoint, exact per-block KV
+    reuse on (the default)."""
+    family = request.param
+    single = LLM(_model_dir(family), num_threads=1)
+    sharded = LLM(_model_dir(family), tensor_parallel_size=2, num_threads=1)
+    yield family, single, sharded
+    pids = list(sharded.engine.executor.ranks.pids)
+    sharded.shutdown()
+    _assert_gone(pids)
+
+
+@pytest.mark.slow   # worker processes
+def test_tp2_block_families_golden_cases_match_tp1(block_tp):
+    """Every golden generate case of the family (llada2 / llada2_edit / sdar decoders) in one
+    call: TP=2 tokens, NFE and finish reasons equal the official ones and TP=1's."""
+    family, single, sharded = block_tp
+    cases = load_cases(family, BLOCK_DECODERS[family])
+    got, want = check_batched(sharded, cases), check_batched(single, cases)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.metrics.nfe for o in got] == [o.metrics.nfe for o in want]
+
+
+@pytest.mark.slow   # worker processes
+def test_tp2_revocable_decoders_inside_blocks_match_tp1(block_tp):
+    """COVER (and WINO, Saber, ASRD) inside the current block: TP=2 tokens and NFE == TP=1."""
+    family, single, sharded = block_tp
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 290 for j in range(n)]}
+               for i, n in enumerate((5, 13, 21))]
+    mismatched = []
+    for name in ("cover", "wino", "saber", "asrd"):
+        params = SamplingParams(max_tokens=20, block_length=BLOCK_FAMILIES[family],
+                                temperature=0.0, ignore_eos=True, decoding=name, seed=1)
+        want = single.generate(prompts, params, use_tqdm=False)
+        got = sharded.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 20 for o in got)
+        if ([(o.outputs[0].token_ids, o.metrics.nfe) for o in got]
+                != [(o.outputs[0].token_ids, o.metrics.nfe) for o in want]):
+            mismatched.append(name)
+    assert not mismatched, f"TP=2 differs from TP=1 for {mismatched} on {family}"
 
 
 # ---- failures -------------------------------------------------------------------------------

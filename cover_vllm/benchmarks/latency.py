@@ -42,6 +42,7 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
         for decoding in spec.decodings:
             sp = work.params(spec, decoding, (kv, spec.cache_refreshes[0]))
             llm.generate(work.prompts[:1], sp, use_tqdm=False)            # warm-up
+            llm.reset_prefix_cache()      # timed requests reuse no prompt block of it
             times, nfe = StepTimes(), []
             llm.engine.add_observer(times)
             try:

@@ -60,7 +60,9 @@ def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
     vocab = llm.engine.spec.mask_token_id          # ids below the mask id are ordinary tokens
     prompts = [{"prompt_token_ids": torch.randint(0, vocab, (spec.input_len,),
                                                   generator=gen).tolist()} for _ in range(batch)]
-    params = SamplingParams(max_tokens=spec.output_len, block_length=spec.output_len,
+    # one block of the whole output; a block-causal model decodes its own blocks
+    block = None if llm.engine.spec.attention.is_block_causal else spec.output_len
+    params = SamplingParams(max_tokens=spec.output_len, block_length=block,
                             ignore_eos=True, decoding="cover", kv_cache="dual", seed=spec.seed)
     llm.engine.step_times = []
     start = time.perf_counter()

@@ -43,7 +43,8 @@ class ThroughputSpec:
     num_prompts: int | None = None     # default: 2 x the batch size
     input_len: int = 64
     output_len: int = 128
-    block_length: int = 32
+    block_length: int | None = None    # None: the model's (ModelSpec.default_block_length:
+                                       # 32 for full attention, a block-causal model's block)
     steps: int | None = None
     threads: int | None = None
     seed: int = 0
@@ -87,6 +88,16 @@ class ThroughputRow:
     mbu: float = 0.0                   # weight bytes read per second / the measured read rate
     repeats: int = 1                   # timed runs; the time-derived fields are the median run's
     tokens_per_s_runs: tuple[float, ...] = ()   # every run's tokens/s, in run order
+    prefix_hit_rate: float | None = None   # prompt tokens found in the prefix cache / looked
+                                           # up, over the row's requests (None: no lookups:
+                                           # prefix caching off, full attention, kv_cache none)
+
+
+def prefix_hit_rate(metrics) -> float | None:
+    """Cached prompt tokens over prompt tokens looked up in the prefix cache, summed over
+    requests (RequestMetrics); None when nothing was looked up."""
+    queried = sum(m.prefix_query_tokens for m in metrics)
+    return sum(m.cached_prompt_tokens for m in metrics) / queried if queried else None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -113,7 +124,8 @@ class Workload:
             rng = random.Random(spec.seed)
             self.prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in
                                                   range(spec.input_len)]} for _ in range(n)]
-            self.output_len, self.block_length = spec.output_len, spec.block_length
+            self.output_len = spec.output_len
+            self.block_length = spec.block_length or llm.engine.spec.default_block_length
         self.eos = set(llm.engine.spec.eos_token_ids)
 
     def params(self, spec: ThroughputSpec, decoding: str, cache: tuple[str, str]
@@ -179,6 +191,7 @@ class _Run(NamedTuple):
 def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
     engine = llm.engine
     llm.generate(work.prompts[:1], sp, use_tqdm=False)               # warm-up
+    llm.reset_prefix_cache()        # a run reuses no prompt block of the warm-up or other runs
     engine.pool.peak_used, engine.step_times = 0, []
     start = time.perf_counter()
     outs = llm.generate(work.prompts, sp, use_tqdm=False)
@@ -259,7 +272,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             flops_per_token=flops_per_token(ms),
             mfu_bound=mfu_bound(flops, streamed, peak, read_gbps),
             mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
-            tokens_per_s_runs=tuple(tokens / run.seconds for run in measured))
+            tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
+            prefix_hit_rate=prefix_hit_rate(ms))
         report["results"].append(asdict(row))
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
             f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "

@@ -183,7 +183,9 @@ def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> N
     p.add_argument("--task", default=None, help="prompts from a task's held-out split")
     p.add_argument("--input-len", type=positive_int, default=64, help="prompt tokens")
     p.add_argument("--output-len", type=positive_int, default=128, help="generated tokens")
-    p.add_argument("--block-length", type=positive_int, default=32, help="tokens per block")
+    p.add_argument("--block-length", type=positive_int, default=None,
+                   help="tokens per block (default: the model's: 32 for full-attention "
+                   "families, a block-causal model's own block)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="denoising steps of fixed-schedule strategies (default: theirs)")
     if several_dtypes:

@@ -44,6 +44,11 @@ class LLM:
             return SamplingParams()
         return SamplingParams(max_tokens=self.engine.default_max_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the automatic prefix cache: later requests compute every prompt block again
+        (as vLLM's `LLM.reset_prefix_cache`; benchmarks call it between timed runs)."""
+        self.engine.pool.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also run on deletion."""
         engine = getattr(self, "engine", None)

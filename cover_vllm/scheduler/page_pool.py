@@ -65,6 +65,14 @@ class PagePool:
             else:
                 self._free.append(page)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every content key (vLLM's `reset_prefix_cache`): cached pages become free,
+        held pages stay held but are never found by a lookup again. Counters are kept."""
+        self._free.extend(reversed(self._cached))
+        self._cached.clear()
+        self._page_of.clear()
+        self._key_of.clear()
+
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The pages of the longest run of `keys` (in order) whose K/V are cached, each taken
         with one more reference; counts the queries and hits."""
