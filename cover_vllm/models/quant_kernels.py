@@ -1,0 +1,208 @@
+"""The matmuls of weight-only quantized projections, and the storage of one quantized group.
+
+`QuantizedGroup` is the quantized half of a `FusedLinears` group (`FusedLinears.quant`): `fuse`
+lays its Linears' buffers (and biases) side by side in one tensor each, as FusedLinears does for
+plain weights, so q|k|v or gate|up still run as one matmul; `pack` hands those tensors to the
+kernel of the device (`make_kernel`). Until then `__call__` is the slow reference: each Linear's
+dequantized weight through F.linear (quant_format.reference_linear).
+
+Kernels (torch's own; chosen by measurement on this project's CPU, scripts/quant_kernels.py and
+docs/benchmarks.md "Quantized weights"; no hand-written matmul):
+* int8, CPU: `torch._weight_int8pack_mm(x, q [N, K] int8, s [N])` on the plain codes, no repack.
+* int8, other devices: `F.linear(x, q.to(x.dtype)) * s`.
+* int4, CPU: `torch._convert_weight_to_int4pack_for_cpu` (codes as int32 [N, K] -> its blocked
+  uint8 [N, K/2], converted in place PACK_ROWS rows at a time: the layout is local to blocks of
+  64 rows with AVX-512, 32 with AVX2; tests/test_quantization.py checks the chunked pack against
+  the whole one) and `torch._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros
+  [K/G, N, 2])`. N must be a multiple of 16: zero rows pad it when it is not (cover-tiny's
+  227-row LM head), and the output is cut back.
+* int4, CUDA with bf16 activations: `torch._convert_weight_to_int4pack(q uint8 [N, K/2],
+  inner_k_tiles)` and `torch._weight_int4pack_mm` (tinygemm). Untested here: this project's
+  machine has no GPU. Anything else (int4 on CUDA in fp32, other devices) dequantizes per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buffers,
+                                            reference_linear, unpack_nibbles)
+
+PACK_ROWS = 1024         # rows converted at once by the in-place CPU int4 pack (a multiple of 64)
+INT4_ROW_MULTIPLE = 16   # torch's int4 kernels need N % 16 == 0 on CPU (N % 8 on CUDA)
+
+
+class QuantizedGroup:
+    """The quantized storage and matmul of one FusedLinears group (models/quantization.py
+    `quantize_model` attaches it)."""
+
+    def __init__(self, group, config: QuantConfig):
+        self.group, self.config = group, config
+        self.fused: dict[str, torch.Tensor] = {}
+        self.bias: torch.Tensor | None = None
+        self.kernel = None
+
+    @property
+    def linears(self) -> tuple[nn.Linear, ...]:
+        return self.group.linears
+
+    @torch.no_grad()
+    def fuse(self, copy: bool = True) -> None:
+        """One tensor per buffer (and the bias) over every Linear's rows; the Linears' buffers
+        become row views of them (`copy`: keep their values)."""
+        if linear_buffers(self.linears[0])["qweight"].device.type == "meta":
+            return
+        for name in linear_buffers(self.linears[0]):
+            parts = [lin._buffers[name] for lin in self.linears]
+            if copy:
+                fused = torch.cat(parts)
+            else:
+                fused = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+            self.fused[name] = fused
+            at = 0
+            for lin, part in zip(self.linears, parts):
+                lin._buffers[name] = fused[at:at + part.shape[0]]
+                at += part.shape[0]
+        biases = [lin.bias for lin in self.linears]
+        self.bias = None if any(b is None for b in biases) else self.group._stack(biases, copy)
+        if self.bias is not None:
+            for i, lin in enumerate(self.linears):
+                lin.bias = nn.Parameter(self.group._part(self.bias, i), requires_grad=False)
+
+    def _is_fused(self) -> bool:
+        """Whether every Linear's buffers still are the row views `fuse` made."""
+        if not self.fused:
+            return False
+        for name, fused in self.fused.items():
+            at = 0
+            for lin in self.linears:
+                buf = lin._buffers[name]
+                if buf.data_ptr() != fused.data_ptr() + at * fused.stride(0) * fused.element_size():
+                    return False
+                at += buf.shape[0]
+        return True
+
+    @torch.no_grad()
+    def pack(self) -> bool:
+        """Hand the fused tensors to the device's kernel (the CPU int4 pack rewrites them in
+        place); the Linears keep zero-row placeholders. Returns whether it packed."""
+        if self.kernel is not None:
+            return False
+        if self._is_fused():
+            tensors, bias = self.fused, self.bias
+        else:                                   # re-allocated since (e.g. `.to(...)`): stack
+            names = linear_buffers(self.linears[0])
+            tensors = {n: torch.cat([lin._buffers[n] for lin in self.linears]) for n in names}
+            biases = [lin.bias for lin in self.linears]
+            bias = None if any(b is None for b in biases) else torch.cat(biases)
+        self.kernel = make_kernel(tensors, self.config, bias)
+        self.fused = {}
+        for lin in self.linears:
+            for name, buf in linear_buffers(lin).items():
+                lin._buffers[name] = buf.new_empty((0, *buf.shape[1:]))
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, sum(out)]."""
+        if self.kernel is not None:
+            return self.kernel(x)
+        outs = [reference_linear(lin, x) for lin in self.linears]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None):
+    """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device."""
+    device = t["qweight"].device.type
+    if config.method == "int8":
+        return Int8Kernel(t, bias)
+    if device == "cpu":
+        return Int4CpuKernel(t, config.group_size, bias)
+    if device == "cuda" and t["weight_scale"].dtype == torch.bfloat16:
+        return Int4CudaKernel(t, config.group_size, bias)
+    return DequantKernel(t, config, bias)
+
+
+def _finish(out: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Cut padded output columns back to `n` and add the bias."""
+    if out.shape[-1] != n:
+        out = out[:, :n].contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0],
+                                                                  *t.shape[1:])])
+
+
+class Int8Kernel:
+    """y = x @ (q * s)^T: `_weight_int8pack_mm` on CPU, F.linear on the widened codes elsewhere."""
+
+    def __init__(self, t: dict[str, torch.Tensor], bias: torch.Tensor | None):
+        self.q, self.scale, self.bias = t["qweight"], t["weight_scale"], bias
+        self.cpu = self.q.device.type == "cpu"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu:
+            out = torch._weight_int8pack_mm(x, self.q, self.scale)
+        else:
+            out = F.linear(x, self.q.to(x.dtype)).mul_(self.scale)
+        return _finish(out, self.q.shape[0], self.bias)
+
+
+class Int4CpuKernel:
+    """torch's CPU int4 kernel over the codes packed in place into its blocked layout."""
+
+    def __init__(self, t: dict[str, torch.Tensor], group_size: int, bias: torch.Tensor | None):
+        q = t["qweight"]
+        self.n, self.group_size, self.bias = q.shape[0], group_size, bias
+        rows = -(-self.n // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
+        self.packed = pack_int4_cpu(_pad_rows(q, rows))
+        scale, zero = (_pad_rows(t[n], rows) for n in ("weight_scale", "weight_zero"))
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [G, N, 2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                self.scales_zeros)
+        return _finish(out, self.n, self.bias)
+
+
+@torch.no_grad()
+def pack_int4_cpu(q: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
+    """[N, K/2] nibble codes -> the CPU int4 kernel's layout, in place, `rows` rows at a time
+    (a multiple of the kernel's 64-row block, so each chunk packs on its own)."""
+    for a in range(0, q.shape[0], rows):
+        codes = unpack_nibbles(q[a:a + rows]).to(torch.int32)           # [rows, K]
+        q[a:a + rows].copy_(torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+    return q
+
+
+class Int4CudaKernel:
+    """tinygemm (`torch._weight_int4pack_mm`), bf16 activations."""
+
+    def __init__(self, t: dict[str, torch.Tensor], group_size: int, bias: torch.Tensor | None):
+        q = t["qweight"]
+        self.n, self.group_size, self.bias = q.shape[0], group_size, bias
+        k = q.shape[1] * 2
+        inner = 8 if k % 128 == 0 else (4 if k % 64 == 0 else 2)
+        rows = -(-self.n // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
+        self.packed = torch._convert_weight_to_int4pack(_pad_rows(q, rows).contiguous(), inner)
+        scale, zero = (_pad_rows(t[n], rows) for n in ("weight_scale", "weight_zero"))
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int4pack_mm(x.contiguous(), self.packed, self.group_size,
+                                        self.scales_zeros)
+        return _finish(out, self.n, self.bias)
+
+
+class DequantKernel:
+    """Dequantize per call, then F.linear: correct anywhere, fast nowhere."""
+
+    def __init__(self, t: dict[str, torch.Tensor], config: QuantConfig,
+                 bias: torch.Tensor | None):
+        self.t, self.config, self.bias = t, config, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.t, self.config).to(x.dtype), self.bias)
