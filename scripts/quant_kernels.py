@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quantization import QuantConfig, quantize_rows
+from cover_vllm.models.quant_format import QuantConfig, quantize_rows
+from cover_vllm.models.quant_kernels import Int4CpuKernel, Int8Kernel, TiledKernel
 
 SHAPES = {"qkv": (12288, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
@@ -35,7 +36,7 @@ def best_ms(fn, seconds: float = 1.0) -> float:
     return best * 1e3
 
 
-def candidates(w: torch.Tensor, dtype: torch.dtype, use_torchao: bool) -> dict:
+def candidates(w: torch.Tensor, dtype: torch.dtype, use_torchao: bool, slow: bool) -> dict:
     """name -> (weight bytes, callable of x)."""
     wd = w.to(dtype)
     out = {f"{dtype_name(dtype)} F.linear": (wd.numel() * wd.element_size(),
@@ -45,13 +46,17 @@ def candidates(w: torch.Tensor, dtype: torch.dtype, use_torchao: bool) -> dict:
         out["bf16 oneDNN packed"] = (wd.numel() * 2, lambda x: torch.ops.mkldnn._linear_pointwise(
             x, packed, None, "none", [], ""))
     q8 = quantize_rows(w, QuantConfig("int8"), dtype)
-    out["int8 _weight_int8pack_mm"] = (q8.nbytes(), lambda x: torch._weight_int8pack_mm(
-        x, q8.qweight, q8.scale))
-    out["int8 dequant F.linear"] = (q8.nbytes(), lambda x: F.linear(x, q8.qweight.to(dtype))
-                                    * q8.scale)
+    n8 = sum(t.numel() * t.element_size() for t in q8.values())
+    if dtype == torch.bfloat16 or slow:
+        out["int8 _weight_int8pack_mm"] = (n8, Int8Kernel(q8, None))
+    out["int8 dequant F.linear"] = (n8, lambda x: F.linear(x, q8["qweight"].to(dtype))
+                                    * q8["weight_scale"])
+    out["int8 tiled dequant + GEMM"] = (n8, TiledKernel(q8, QuantConfig("int8"), None))
     q4 = quantize_rows(w, QuantConfig("int4"), dtype)
-    k4 = q4.packed()
-    out["int4 _weight_int4pack_mm_for_cpu"] = (q4.nbytes(), k4)
+    n4 = sum(t.numel() * t.element_size() for t in q4.values())
+    out["int4 tiled dequant + GEMM"] = (n4, TiledKernel(q4, QuantConfig("int4"), None))
+    if dtype == torch.bfloat16 or slow:       # fp32: seconds per call (scalar code in torch)
+        out["int4 _weight_int4pack_mm_for_cpu"] = (n4, Int4CpuKernel({k: v.clone() for k, v in q4.items()}, 128, None))
     if use_torchao:
         out.update(_torchao(w, dtype))
     return out
@@ -88,6 +93,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--torchao", action="store_true")
+    p.add_argument("--slow", action="store_true", help="also time torch's packed kernels on "
+                   "fp32 activations (seconds per call here)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -96,7 +103,7 @@ def main() -> None:
         n, k = SHAPES[shape]
         w = torch.randn(n, k) * 0.02
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-            for name, (nbytes, fn) in candidates(w, dtype, args.torchao).items():
+            for name, (nbytes, fn) in candidates(w, dtype, args.torchao, args.slow).items():
                 cells = []
                 for m in rows:
                     x = torch.randn(m, k).to(dtype)

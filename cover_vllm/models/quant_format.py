@@ -74,12 +74,14 @@ def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
 
 # ---- the math ------------------------------------------------------------------------------
 
-def quantize_rows(w: torch.Tensor, config: QuantConfig,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """w [n, k] (any float dtype) -> the buffers of QuantConfig.storage, scales in `dtype`."""
+def quantize_rows(w: torch.Tensor, config: QuantConfig, dtype: torch.dtype,
+                  amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """w [n, k] (any float dtype) -> the buffers of QuantConfig.storage, scales in `dtype`.
+    `amax` [n] (int8): the rows' max |w| to scale by, when w is a slice of longer rows (a
+    row-parallel rank's columns: the scale of the whole row, so the rank's codes are TP=1's)."""
     w = w.float()
     if config.method == "int8":
-        amax = w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1) if amax is None else amax.float()
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)   # [n]
         q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         return {"qweight": q, "weight_scale": scale}

@@ -32,6 +32,7 @@ from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buff
 
 PACK_ROWS = 1024         # rows converted at once by the in-place CPU int4 pack (a multiple of 64)
 INT4_ROW_MULTIPLE = 16   # torch's int4 kernels need N % 16 == 0 on CPU (N % 8 on CUDA)
+TILE_BYTES = 2 << 20     # one dequantized tile of `TiledKernel`: stays in the L2/L3 caches
 
 
 class QuantizedGroup:
@@ -113,13 +114,16 @@ class QuantizedGroup:
 
 
 def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None):
-    """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device."""
-    device = t["qweight"].device.type
+    """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device and the
+    model dtype (the scales'), as measured (module doc)."""
+    device, dtype = t["qweight"].device.type, t["weight_scale"].dtype
+    if device == "cpu":
+        if config.method == "int4" and dtype == torch.bfloat16:
+            return Int4CpuKernel(t, config.group_size, bias)
+        return TiledKernel(t, config, bias)
     if config.method == "int8":
         return Int8Kernel(t, bias)
-    if device == "cpu":
-        return Int4CpuKernel(t, config.group_size, bias)
-    if device == "cuda" and t["weight_scale"].dtype == torch.bfloat16:
+    if device == "cuda" and dtype == torch.bfloat16:
         return Int4CudaKernel(t, config.group_size, bias)
     return DequantKernel(t, config, bias)
 
@@ -195,6 +199,40 @@ class Int4CudaKernel:
         out = torch._weight_int4pack_mm(x.contiguous(), self.packed, self.group_size,
                                         self.scales_zeros)
         return _finish(out, self.n, self.bias)
+
+
+class TiledKernel:
+    """Dequantize a cache-sized tile of rows (TILE_BYTES in the activations' dtype) and run
+    torch's GEMM on it (F.linear: oneDNN / MKL), tile after tile into one output: the weight
+    is read once, as codes, and never exists whole in the activations' dtype. int8's per-row
+    scale is applied to the output once instead of to every tile."""
+
+    def __init__(self, t: dict[str, torch.Tensor], config: QuantConfig,
+                 bias: torch.Tensor | None):
+        self.t, self.config, self.bias = t, config, bias
+        self.n, k2 = t["qweight"].shape
+        self.k = k2 if config.method == "int8" else 2 * k2
+        self.rows = max(16, TILE_BYTES // (self.k * t["weight_scale"].element_size()))
+
+    def _tile(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [a, b) of the weight in `dtype` (int8: without the scale)."""
+        q = self.t["qweight"][a:b]
+        if self.config.method == "int8":
+            return q.to(dtype)                                    # |q| <= 127: exact
+        g = self.config.group_size
+        codes = unpack_nibbles(q).to(dtype).sub_(8).view(b - a, -1, g)      # [c, G, g], exact
+        scale, zero = self.t["weight_scale"][a:b, :, None], self.t["weight_zero"][a:b, :, None]
+        return torch.addcmul(zero, codes, scale).view(b - a, self.k)   # one rounding, as
+                                                                       # `dequantize`
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0], self.n))
+        for a in range(0, self.n, self.rows):
+            b = min(self.n, a + self.rows)
+            out[:, a:b] = F.linear(x, self._tile(a, b, x.dtype))
+        if self.config.method == "int8":
+            out.mul_(self.t["weight_scale"])
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class DequantKernel:

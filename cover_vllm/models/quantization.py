@@ -178,9 +178,11 @@ def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
     for at, rows in _row_chunks(full_rows, sl, full_cols * dtype.itemsize):
         stage = torch.empty((rows.size, full_cols), dtype=dtype)
         source.fill(name, stage, rows)
-        if sl is not None and sl.dim == 1:
-            stage = sl.take(stage)                # a row-parallel rank's input columns
-        for key, value in quantize_rows(stage, config, dtype).items():
+        amax = None
+        if sl is not None and sl.dim == 1:        # a row-parallel rank's input columns; int8
+            amax = stage.abs().amax(dim=1)        # scales by the whole row, int4's groups lie
+            stage = sl.take(stage)                # inside the rank's columns: both are TP=1's
+        for key, value in quantize_rows(stage, config, dtype, amax).items():
             bufs[key][at:at + rows.size].copy_(value)
 
 
