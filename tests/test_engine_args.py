@@ -21,11 +21,13 @@ VALUES = {"decoding": "low_confidence", "kv_cache": "prefix", "dtype": "float32"
           "load_format": "dummy", "page_size": "8", "attention_backend": "reference",
           "cache_refresh": "adaptive", "num_threads": "2", "device": "meta",
           "distributed_timeout_s": "12.5"}
-VALUES["quantization"] = "int8"            # weight-only quantized projections (issue 27)
 
 
 def _flags() -> list[str]:
     return [arg for o in engine_options() for arg in (flag_names(o)[0], VALUES[o.name])]
+
+
+VALUES["quantization"] = "int8"            # weight-only quantized projections (issue 27)
 
 
 def test_every_engine_option_has_a_test_value():
