@@ -20,11 +20,19 @@ VALUES = {"decoding": "low_confidence", "kv_cache": "prefix", "dtype": "float32"
           "max_num_seqs": "3", "kv_cache_memory_bytes": "1048576", "memory_utilization": "0.5",
           "load_format": "dummy", "page_size": "8", "attention_backend": "reference",
           "cache_refresh": "adaptive", "num_threads": "2", "device": "meta",
-          "distributed_timeout_s": "12.5"}
+          "distributed_timeout_s": "12.5", "enable_prefix_caching": "False"}
+
+
+def _flag(option) -> list[str]:
+    """A value flag and its value, or a switch (--name / --no-name) for a bool option."""
+    name, value = flag_names(option)[0], VALUES[option.name]
+    if option.metadata["kind"] == "bool":
+        return [name if value == "True" else "--no-" + name.removeprefix("--")]
+    return [name, value]
 
 
 def _flags() -> list[str]:
-    return [arg for o in engine_options() for arg in (flag_names(o)[0], VALUES[o.name])]
+    return [arg for o in engine_options() for arg in _flag(o)]
 
 
 VALUES["quantization"] = "int8"            # weight-only quantized projections (issue 27)

@@ -27,6 +27,11 @@ VARIANTS = {
     "saber": [{"n": 3}, {"n": 1}, {"eos_penalty": 0.5}],
     "wino": [{"threshold": 0.3, "threshold_back": 0.99}, {"initial_last_accept": 2}],
     "asrd": [{"anchor_steps": 1, "anchor_threshold": 0.2, "max_draft": 2}],
+    "llada2": [{"threshold": 0.3, "eos_early_stop": True}, {"threshold": 2.0, "minimal_topk": 3}],
+    "llada2_edit": [{"threshold": 0.3, "editing_threshold": 0.2, "num_to_transfer": 2,
+                     "max_post_steps": 1, "eos_early_stop": True}],
+    "sdar": [{"remasking": "sequential"}, {"remasking": "low_confidence_static"},
+             {"threshold": 0.3}],
 }
 CASES = [(name, params) for name in sorted(STRATEGIES)
          for params in [None] + VARIANTS.get(name, [])]
@@ -56,8 +61,9 @@ class Req:
         self.is_gen = torch.arange(w) >= (1 if i % 2 else 0)
         self.temperature = [0.7, 0.0, 1.3, 0.5][i] if hot else 0.0
         self.top_p, self.top_k = [1.0, 0.9, 1.0, 0.8][i], [-1, 5, 3, -1][i]
-        self.state = BlockState(block_steps=STEPS[i])
         start, end = self.block
+        self.state = BlockState(block_steps=STEPS[i], block_size=end - start, max_tokens=w,
+                                steps=STEPS[i])     # the engine fills these for every request
         strategy.start_block(self.state, int((self.tokens[start:end] == MASK).sum()))
         self.generator = torch.Generator().manual_seed(7 + i)
         # logits of extra query rows (WINO's shadow block: one row per block slot)
@@ -95,7 +101,8 @@ def _rows(decision, i: int, w: int) -> dict:
     tokens = decision.tokens[i, :w].tolist()
     return {"commit": commit, "remask": flag(decision.remask), "replace": replace,
             "tokens": [t if c or r else None for t, c, r in zip(tokens, commit, replace)],
-            "keeps": count(decision.keeps), "verified": count(decision.verified)}
+            "keeps": count(decision.keeps), "verified": count(decision.verified),
+            "stop": decision.stop is not None and bool(decision.stop[i])}
 
 
 def _apply(req: Req, row: dict) -> None:

@@ -143,8 +143,9 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
                   read_gbps: float) -> dict | None:
     """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
     model = llm.engine.executor.model
-    if count <= 0 or model.spec.logit_shift != 0:
-        return None                      # the reference loop is LLaDA's (no logit shift)
+    if count <= 0 or model.spec.logit_shift != 0 or model.spec.attention.is_block_causal:
+        return None                      # the reference loop is LLaDA's (no logit shift, full
+                                         # attention)
     prompts = [p["prompt_token_ids"] for p in work.prompts[:count]]
     tokens, start = 0, time.perf_counter()
     for ids in prompts:

@@ -19,11 +19,15 @@ class OutputProcessor:
         """After a block is FINAL: ('stop' if an EOS/stop token or stop string appeared, else
         None; the final token ids and text up to the stop point). A Request's stop rule."""
         final = req.canvas[req.prompt_len:min(req.final_end, req.gen_end)].tolist()
-        stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos)
+        eos = set() if req.params.ignore_eos else self.eos
+        stop_ids = set(req.params.stop_token_ids) | eos
         cut = next((i for i, t in enumerate(final) if t in stop_ids), None)
         ids = final if cut is None else final[: cut + 1]
         text = self.decode(ids if cut is None else ids[:-1])
         reason = None if cut is None else "stop"
+        if reason and not req.strategy.eos_ends_request and final[cut] not in \
+                req.params.stop_token_ids and req.final_end < req.gen_end:
+            reason = None       # the decoder generates every block (LLaDA2.1): cut, not ended
         for stop in req.params.stop:
             at = text.find(stop)
             if at >= 0:

@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the "
                        "official layout (config.json, index, <= 5 GB shards)")
     m.add_argument("--shape", required=True, help="built-in shape (llada-8b, llada-1.5, "
-                   "dream-7b, dream-coder-7b, llada-moe-7b, llada-300m, ...) or a dir with "
-                   "config.json")
+                   "dream-7b, dream-coder-7b, llada-moe-7b, llada2-mini, llada2.1-mini, "
+                   "sdar-1.7b, sdar-4b, sdar-8b, llada-300m, ...) or a dir with config.json")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     m.add_argument("--out", required=True, help="directory to write (under /tmp for full sizes)")
     m.add_argument("--seed", type=int, default=0, help="random values' seed")

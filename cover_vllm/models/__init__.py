@@ -1,4 +1,5 @@
-"""Model families (LLaDA, Dream, LLaDA-MoE), their spec, and checkpoint loading."""
+"""Model families (LLaDA, Dream, LLaDA-MoE, LLaDA2.x, SDAR; models/registry.py), their spec, and
+checkpoint loading."""
 
 from cover_vllm.models.base import AttentionFn, DenseAttention, DiffusionLM, ModelDims
 from cover_vllm.models.builtin import resolve_model, resolve_model_dir

@@ -16,9 +16,9 @@ BUILTIN_DIRS = {"cover-tiny": ASSETS / "cover-tiny"}
 
 
 def _builtin_configs() -> dict[str, dict[str, Any]]:
-    from cover_vllm.models.configs import DUMMY_CONFIGS  # weightless shapes (llada-8b, ...)
+    from cover_vllm.models.registry import builtin_shapes  # each family's weightless shapes
 
-    return DUMMY_CONFIGS
+    return builtin_shapes()
 
 
 @dataclass(frozen=True)

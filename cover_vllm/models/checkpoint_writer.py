@@ -19,12 +19,12 @@ import torch
 from tqdm.auto import tqdm
 
 from cover_vllm.models.loader import build_model
+from cover_vllm.models.registry import family_named
 from cover_vllm.models.safetensors_io import ST_NAMES, write_safetensors
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.weights import DummyWeights
 
 MAX_SHARD_BYTES = 5_000_000_000
-ARCHITECTURES = {"llada": "LLaDAModelLM", "dream": "DreamModel", "llada_moe": "LLaDAMoEModelLM"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def write_checkpoint(spec: CheckpointSpec, out: str | Path) -> dict[str, Any]:
     finally:
         bar.close()
     config = dict(spec.config)
-    config.setdefault("architectures", [ARCHITECTURES[model_spec.family]])
+    config.setdefault("architectures", [family_named(model_spec.family).architecture])
     config["torch_dtype"] = str(spec.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -1,5 +1,6 @@
-"""Built-in configs (config.json contents): weightless shapes for `load_format="dummy"` and for
-`cover-vllm make-checkpoint --shape NAME`.
+"""Built-in shapes' data (config.json contents): weightless shapes for `load_format="dummy"` and
+for `cover-vllm make-checkpoint --shape NAME`. Each family's registry entry (models/registry.py)
+names its shapes; `DUMMY_CONFIGS` (name -> config) is that table, kept for older callers.
 
 Full-size shapes follow the published config.json of each model (sources next to each one).
 """
@@ -73,8 +74,87 @@ LLADA_MOE_7B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
-DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llada-50m": LLADA_50M, "llada-300m": LLADA_300M, "llada-8b": LLADA_8B,
-    "llada-1.5": LLADA_8B, "dream-7b": DREAM_7B, "dream-coder-7b": DREAM_7B,
-    "llada-moe-7b": LLADA_MOE_7B,
+
+# inclusionAI/LLaDA2.0-mini and LLaDA2.1-mini: one architecture, one tokenizer (16.26 B
+# parameters = 32.5 GB in bf16; 1.4 B active). Sources:
+# * huggingface.co/inclusionAI/LLaDA2.1-mini/blob/main/config.json (read here up to
+#   "transformers_version"): hidden 2048, intermediate 5120, 20 layers, 16 heads, 4 kv heads,
+#   head_dim 128, partial_rotary_factor 0.5, rope_theta 600000, rms_norm_eps 1e-6, 256
+#   experts, top-8, n_group 8, topk_group 4, 1 shared expert, moe_intermediate_size 512,
+#   first_k_dense_replace 1, routed_scaling_factor 2.5, score_function sigmoid, expert bias on,
+#   max_position_embeddings 32768, pad 156892, untied head, rope_scaling null, bf16.
+# * use_qk_norm true, use_qkv_bias false, use_bias false: ../shared/golden/README.md (its
+#   config "follows the released LLaDA2.0-mini config"; the config class defaults use_bias to
+#   true, the release sets false).
+# * mask 156895, EOS 156892: the defaults of the official `generate` (modeling_llada2_moe.py:
+#   mask_id=156895, eos_id=156892), the Ling tokenizer's <|mask|> / <|endoftext|> (as LLaDA-MoE).
+# * vocab_size 157184: not in the part of either config.json that could be read here; the
+#   model cards' vocabulary size (157,184) and the Ling tokenizer of LLaDA-MoE (above).
+# * LLaDA2.0-mini's own config.json could not be read here: its architecture numbers are
+#   taken to be 2.1-mini's (same model card figures: 16 B total, 1.4 B active, 20 layers,
+#   16 heads, context 32,768); its max_position_embeddings is the model card's context length.
+LLADA2_MINI: dict[str, Any] = {
+    "model_type": "llada2_moe", "hidden_size": 2048, "intermediate_size": 5120,
+    "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 600000,
+    "rms_norm_eps": 1e-6, "num_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "num_shared_experts": 1, "moe_intermediate_size": 512,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True, "norm_topk_prob": True, "router_dtype": "fp32",
+    "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False, "norm_head": False,
+    "hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False,
+    "max_position_embeddings": 32768, "vocab_size": 157184, "mask_token_id": 156895,
+    "eos_token_id": 156892, "pad_token_id": 156892, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
+
+# JetLM/SDAR-{1.7B,4B,8B}-Chat: Qwen3-1.7B/4B/8B-Base continued with the SDAR recipe
+# (github.com/JetAstra/SDAR README), Qwen3 tokenizer (vocab 151936; <|endoftext|> 151643 is
+# config.json's bos/eos, <|im_end|> 151645 ends a chat turn, <|MASK|> 151669 is the mask: SDAR's
+# added_tokens.json and its README's `mask_token_id=151669`). Block 4: the README decodes with
+# block_length 4 and the released config's `block_size` is 4 (../shared/golden/README.md).
+# SDAR-4B-Chat, from huggingface.co/JetLM/SDAR-4B-Chat/blob/main/config.json: hidden 2560,
+# intermediate 9728, 36 layers, 32 heads, 8 kv heads, head_dim 128 (!= 2560 / 32), rms_norm_eps
+# 1e-6, rope_theta 1e6, max_position_embeddings 32768, untied head, no attention bias, bf16
+# (4.41 B parameters = 8.8 GB in bf16).
+SDAR_4B: dict[str, Any] = {
+    "model_type": "sdar", "hidden_size": 2560, "intermediate_size": 9728,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None,
+    "attention_bias": False, "hidden_act": "silu", "use_sliding_window": False,
+    "max_position_embeddings": 32768, "vocab_size": 151936, "block_size": 4,
+    "mask_token_id": 151669, "bos_token_id": 151643, "eos_token_id": 151643,
+    "eot_token_id": 151645, "pad_token_id": 151643, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+# SDAR-8B-Chat: the sizes of Qwen3-8B's config.json (hidden 4096, intermediate 12288, 36
+# layers, 32 heads, 8 kv heads, head_dim 128, untied), its base; its own config.json could not
+# be read here. Check: 8.19 B parameters = 16.4 GB in bf16, the size of the published
+# repository (huggingface.co/JetLM/SDAR-8B-Chat/tree/main: 4.9 + 4.92 + 4.98 + 1.58 GB).
+# max_position_embeddings is SDAR-4B-Chat's (not read for the 8B).
+SDAR_8B: dict[str, Any] = {
+    **SDAR_4B, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+}
+
+# SDAR-1.7B-Chat: the sizes of Qwen3-1.7B's config (hidden 2048, intermediate 6144, 28 layers,
+# 16 heads, 8 kv heads, head_dim 128), its base; its own config.json could not be read here.
+# tie_word_embeddings true is Qwen3-1.7B's and what ../shared/golden/README.md implies ("false
+# as in the 4B/8B configs"); NOT confirmed from the SDAR-1.7B-Chat config (its 4.06 GB
+# model.safetensors fits an untied head too, but Qwen3 checkpoints store lm_head either way).
+# max_position_embeddings is SDAR-4B-Chat's (not read for the 1.7B).
+SDAR_1_7B: dict[str, Any] = {
+    **SDAR_4B, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`DUMMY_CONFIGS`: every built-in shape by name, from the registry (one source of truth)."""
+    if name == "DUMMY_CONFIGS":
+        from cover_vllm.models.registry import builtin_shapes
+
+        return builtin_shapes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -220,8 +220,9 @@ class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF Llama/Qwen2 tensor names; gate and up
     run as one GEMM once fused (`FusedLinears`).
 
-    Tensor parallel: gate/up column-, down row-parallel. `reduce_output=False` marks a sparse
-    MoE's expert: its partial output is not all-reduced here, the MoE block reduces its sum."""
+    Tensor parallel: gate/up column-, down row-parallel. `reduce_output=False` marks an MLP whose
+    partial output a parent module sums once (a sparse MoE block's experts and shared expert):
+    its row-parallel `down_proj` is not all-reduced on its own."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  reduce_output: bool = True):

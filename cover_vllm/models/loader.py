@@ -11,7 +11,6 @@ the chunked dummy generator. Peak memory is the weights plus a 64 MiB staging bu
 from __future__ import annotations
 
 import functools
-import importlib
 from pathlib import Path
 
 import torch
@@ -19,16 +18,11 @@ from torch import nn
 
 from cover_vllm.config import LOAD_FORMATS
 from cover_vllm.models.layers import fuse_projections
+from cover_vllm.models.registry import family_named
 from cover_vllm.models.safetensors_io import Slice
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.weights import CheckpointWeights, DummyWeights, WeightSource
 
-# family -> (module, class); imported lazily so a family's extra needs only matter when used.
-MODEL_CLASSES = {
-    "llada": ("cover_vllm.models.llada", "LLaDAModelLM"),
-    "dream": ("cover_vllm.models.dream", "DreamModel"),
-    "llada_moe": ("cover_vllm.models.llada_moe", "LLaDAMoEModelLM"),
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -63,8 +57,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> nn.Module:
     """The family's module with uninitialised weights of `dtype` on `device` ("meta": no storage
     at all). No initialiser ever runs, so this costs nothing but the final storage."""
-    module_name, class_name = MODEL_CLASSES[spec.family]
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = family_named(spec.family).model_cls()   # imported lazily (models/registry.py)
     with torch.device("meta"):
         model = cls(spec)
     model.to(dtype=dtype)                      # free on meta; buffers are rebuilt in fp32

@@ -1,6 +1,8 @@
 """Model spec: every model fact a strategy or the engine needs, read once from config.json.
 
-Strategies never hard-code a mask id, an EOS id or the logit shift: they read this object.
+Strategies never hard-code a mask id, an EOS id or the logit shift: they read this object. The
+family facts (logit shift, attention kind, default block, decoder quirks) come from the family's
+entry in the registry (models/registry.py); nothing here knows a family by name.
 """
 
 from __future__ import annotations
@@ -9,10 +11,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-# model_type in config.json -> architecture family implemented in cover_vllm.models
-_FAMILIES = {"llada": "llada", "dream": "dream", "lladamoe": "llada_moe", "llada_moe": "llada_moe"}
-
 
 ATTENTION_KINDS = ("full", "block_causal")
 
@@ -45,7 +43,7 @@ class AttentionKind:
 class ModelSpec:
     """Architecture-independent facts about one checkpoint."""
 
-    family: str                      # "llada" | "dream" | "llada_moe"
+    family: str                      # registry name: "llada" | "dream" | "llada_moe" | ...
     vocab_size: int                  # rows of the output head
     mask_token_id: int
     eos_token_ids: tuple[int, ...]   # any of these ends generation (EOS and end-of-turn)
@@ -68,13 +66,10 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelSpec":
-        model_type = str(config.get("model_type", "")).lower()
-        family = _FAMILIES.get(model_type)
-        if family is None:
-            raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; "
-                f"supported: {sorted(set(_FAMILIES))}"
-            )
+        # the registry imports this module (AttentionKind); imported here, not at the top
+        from cover_vllm.models.registry import family_for_config
+
+        family = family_for_config(config)
         if "mask_token_id" not in config:
             raise ValueError("config.json has no 'mask_token_id'; a masked diffusion LM needs one")
         eos = config.get("eos_token_id")
@@ -86,18 +81,20 @@ class ModelSpec:
         max_len = (config.get("max_sequence_length") or config.get("max_position_embeddings")
                    or 4096)
         pad = config.get("pad_token_id")
+        attention = family.attention(config)
         return cls(
-            family=family,
+            family=family.name,
             vocab_size=int(vocab),
             mask_token_id=int(config["mask_token_id"]),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=int(pad if pad is not None else (eos_ids[0] if eos_ids else 0)),
-            logit_shift=1 if family == "dream" else 0,
+            logit_shift=family.logit_shift,
             max_model_len=int(max_len),
-            default_block_length=int(config.get("default_block_length", 32)),
+            default_block_length=family.block_length(config, attention),
             hidden_size=int(config.get("d_model") or config.get("hidden_size") or 0),
-            threshold_quota=family == "dream",
-            saber_dream=family == "dream",
+            threshold_quota=family.threshold_quota,
+            saber_dream=family.saber_dream,
+            attention=attention,
             hf_config=dict(config),
         )
 

@@ -22,6 +22,9 @@ STRATEGIES = {
     "saber": ("cover_vllm.strategies.saber", "Saber"),
     "wino": ("cover_vllm.strategies.wino", "Wino"),
     "asrd": ("cover_vllm.strategies.asrd", "ASRD"),
+    "llada2": ("cover_vllm.strategies.llada2", "LLaDA2"),
+    "llada2_edit": ("cover_vllm.strategies.llada2", "LLaDA2Edit"),
+    "sdar": ("cover_vllm.strategies.sdar", "SDAR"),
 }
 
 

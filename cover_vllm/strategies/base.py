@@ -158,6 +158,13 @@ class Strategy(ABC):
         """Whether the current block is complete (default: no [MASK] left in it)."""
         return num_masked == 0
 
+    @property
+    def eos_ends_request(self) -> bool:
+        """Whether a finished block holding an EOS ends the request (unless ignore_eos; vLLM's
+        rule). False: every block is generated and only the output is cut after the first EOS
+        (LLaDA2.1's `generate` without eos_early_stop). stop_token_ids end it either way."""
+        return True
+
     @abstractmethod
     def decide(self, batch: StepBatch) -> Decision:
         """One vectorised decision for every request of the batch."""

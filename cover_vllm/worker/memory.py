@@ -126,8 +126,9 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
         raise ValueError(
             f"{spec.family} weights need {weights / GiB:.2f} GiB and one {canvas}-token canvas "
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but memory_utilization="
-            f"{config.memory_utilization} of the {where} allows {capacity / GiB:.2f} GiB; use a "
-            "smaller dtype (bfloat16), more tensor-parallel ranks, or raise memory_utilization")
+            f"{config.memory_utilization} of the {where} allows {capacity / GiB:.2f} GiB; use "
+            + ("a smaller dtype (bfloat16), " if dtype == torch.float32 else "")
+            + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
         if weights + budget // share > capacity:
