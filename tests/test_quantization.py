@@ -253,3 +253,27 @@ def test_quantized_cover_tiny_solves_tasks_with_cover_and_dual_cache(method):
                         use_tqdm=False)
     correct = sum(task.check(ex.prompt, o.outputs[0].text) for ex, o in zip(examples, outs))
     assert correct >= 7
+
+
+@pytest.mark.slow   # worker processes; a 0.30 B-parameter (1.2 GB fp32) written checkpoint
+def test_tp2_equals_tp1_int8_on_a_300m_checkpoint(tmp_path):
+    """int8 in fp32 activations: a rank's codes and scales are TP=1's (full-row scales), so
+    only the row-parallel partial sums' order differs, and the tokens are the same."""
+    write_checkpoint(CheckpointSpec(resolve_model("llada-300m").config, torch.float32,
+                                    progress=False), tmp_path)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 12, 13]}]
+    kw = dict(num_threads=1, kv_cache_memory_bytes=32 << 20, seed=3, dtype="float32",
+              quantization="int8")
+    tokens = {}
+    for world in (1, 2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=world, **kw)
+        try:
+            for decoding in ("low_confidence", "cover"):
+                params = SamplingParams(max_tokens=16, block_length=16, ignore_eos=True,
+                                        decoding=decoding, kv_cache="dual", seed=0)
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                tokens[world, decoding] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.shutdown()
+    for decoding in ("low_confidence", "cover"):
+        assert tokens[2, decoding] == tokens[1, decoding], decoding
