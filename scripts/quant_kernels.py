@@ -67,8 +67,7 @@ def _torchao(w: torch.Tensor, dtype: torch.dtype) -> dict:
 
     out = {}
     for name, config in (("torchao int8 weight-only", Int8WeightOnlyConfig()),
-                         ("torchao int4 weight-only (opaque)",
-                          Int4WeightOnlyConfig(group_size=128, int4_packing_format="opaque"))):
+                         ("torchao int4 weight-only", Int4WeightOnlyConfig(group_size=128))):
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
         lin.weight.data.copy_(w)
         try:

@@ -84,7 +84,7 @@ def _widened(kernel: Int8Kernel) -> Int8Kernel:
     return kernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.label)
 @pytest.mark.parametrize("rows", [64, 227])            # 227: int4 pads to 240 rows
 def test_every_kernel_matches_dequantize_then_linear(config, dtype, rows):

@@ -6,19 +6,37 @@ plain weights, so q|k|v or gate|up still run as one matmul; `pack` hands those t
 kernel of the device (`make_kernel`). Until then `__call__` is the slow reference: each Linear's
 dequantized weight through F.linear (quant_format.reference_linear).
 
-Kernels (torch's own; chosen by measurement on this project's CPU, scripts/quant_kernels.py and
-docs/benchmarks.md "Quantized weights"; no hand-written matmul):
-* int8, CPU: `torch._weight_int8pack_mm(x, q [N, K] int8, s [N])` on the plain codes, no repack.
-* int8, other devices: `F.linear(x, q.to(x.dtype)) * s`.
-* int4, CPU: `torch._convert_weight_to_int4pack_for_cpu` (codes as int32 [N, K] -> its blocked
-  uint8 [N, K/2], converted in place PACK_ROWS rows at a time: the layout is local to blocks of
-  64 rows with AVX-512, 32 with AVX2; tests/test_quantization.py checks the chunked pack against
-  the whole one) and `torch._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros
+Kernels: no hand-written matmul; the choice (`make_kernel`) is by measurement on this project's
+CPU (AMD EPYC, AVX-512 with BF16, no AMX; scripts/quant_kernels.py, one thread, LLaDA-8B's
+q|k|v [12288, 4096], ms per call at 32 / 256 rows; docs/benchmarks.md "Quantized weights"):
+
+  bf16 activations: bf16 oneDNN-packed 7.98 / 60.2 (the unquantized engine);
+    int8 `TiledKernel` 14.0 / 68.6; `torch._weight_int8pack_mm` 27.9 / 274;
+    int8 dequantize whole + F.linear 59.5 / 122; torchao Int8WeightOnlyConfig 65.7 / 124;
+    int4 `torch._weight_int4pack_mm_for_cpu` 17.6 / 190; int4 `TiledKernel` 132 / 193
+    (torchao's int4 needs a package not installable here).
+  fp32 activations: fp32 F.linear 48.8 / 312; int8 `TiledKernel` 44.0 / 304; int4
+    `TiledKernel` 97.4 / 370; torch's packed int8 / int4 kernels take seconds per call (their
+    fp32 path is scalar here).
+
+So on a CPU: int8 -> `TiledKernel`; int4 -> torch's int4 pack in bf16 (fp16), `TiledKernel` in
+fp32. No quantized kernel beats the bf16 GEMM on this CPU: its BF16 dot products make a 32-row
+bf16 window read-bound at ~13 GB/s, while every weight-only kernel spends more time widening
+codes than it saves in bytes. Quantization here buys memory, not speed.
+
+* `TiledKernel`: dequantize TILE_BYTES of rows into the activations' dtype (in cache) and run
+  torch's GEMM on them (F.linear: oneDNN / MKL), tile by tile.
+* `Int8Kernel`: `torch._weight_int8pack_mm` on CPU; on other devices `F.linear(x, q.to(x.dtype))
+  * s`, the CUDA path.
+* `Int4CpuKernel`: `torch._convert_weight_to_int4pack_for_cpu` (codes as int32 [N, K] -> its
+  blocked uint8 [N, K/2], converted in place PACK_ROWS rows at a time: the layout is local to
+  blocks of 64 rows with AVX-512, 32 with AVX2; a test checks the chunked pack against the
+  whole one) and `torch._weight_int4pack_mm_for_cpu(x, packed, G, scales_and_zeros
   [K/G, N, 2])`. N must be a multiple of 16: zero rows pad it when it is not (cover-tiny's
   227-row LM head), and the output is cut back.
-* int4, CUDA with bf16 activations: `torch._convert_weight_to_int4pack(q uint8 [N, K/2],
-  inner_k_tiles)` and `torch._weight_int4pack_mm` (tinygemm). Untested here: this project's
-  machine has no GPU. Anything else (int4 on CUDA in fp32, other devices) dequantizes per call.
+* `Int4CudaKernel` (CUDA, bf16): `torch._convert_weight_to_int4pack(q uint8 [N, K/2],
+  inner_k_tiles)` and `torch._weight_int4pack_mm` (tinygemm). Untested here (no GPU on this
+  project's machine); anything else dequantizes per call (`DequantKernel`).
 """
 
 from __future__ import annotations
@@ -118,7 +136,7 @@ def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Ten
     model dtype (the scales'), as measured (module doc)."""
     device, dtype = t["qweight"].device.type, t["weight_scale"].dtype
     if device == "cpu":
-        if config.method == "int4" and dtype == torch.bfloat16:
+        if config.method == "int4" and dtype in (torch.bfloat16, torch.float16):
             return Int4CpuKernel(t, config.group_size, bias)
         return TiledKernel(t, config, bias)
     if config.method == "int8":
