@@ -201,7 +201,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     dtypes = [resolve_dtype(d, model_spec) for d in dict.fromkeys(spec.dtypes)]
     machine = machine_info(tuple(dtypes))
     load_format = "dummy" if resolved.path is None else "auto"
-    report = {"machine": machine, "model": spec.model, "reference": {}, "results": []}
+    report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
+              "quantization": spec.quantization}
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]
