@@ -300,3 +300,37 @@ def test_cover_tiny_logits_int8_against_fp32():
     diff = (got - want).abs()[real]
     assert diff.max() <= 0.7 and diff.mean() <= 0.025
     assert (got.argmax(-1) == want.argmax(-1))[real].float().mean() >= 0.995
+
+
+PEAK_SCRIPT = """
+import json, sys, torch
+from cover_vllm import LLM, SamplingParams
+torch.set_num_threads(1)
+llm = LLM(sys.argv[1], quantization=sys.argv[2], kv_cache_memory_bytes=32 << 20, num_threads=1,
+          dtype="float32", decoding="cover", kv_cache="dual")
+load_peak = llm.engine.peak_memory_bytes()[0]
+llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+             SamplingParams(max_tokens=8, block_length=8, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"load_peak": load_peak, "weights": llm.engine.memory.weight_bytes}))
+"""
+PEAK_SLACK = 700 << 20     # interpreter + torch + the 32 MiB KV pool + one 64 MiB load chunk
+
+
+@pytest.mark.slow   # fresh processes on a 1.2 GB written checkpoint
+def test_quantized_load_peaks_at_the_quantized_bytes(tmp_path):
+    """Loading quantizes a chunk of rows at a time: a fresh process peaks at the quantized
+    weights plus a fixed slack, far under the fp32 tensors it read."""
+    import json
+    import subprocess
+    import sys
+
+    index = write_checkpoint(CheckpointSpec(resolve_model("llada-300m").config, torch.float32,
+                                            progress=False), tmp_path)
+    fp32 = index["metadata"]["total_size"]
+    for method in ("int8", "int4"):
+        proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path), method],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["weights"] < 0.5 * fp32
+        assert got["load_peak"] <= got["weights"] + PEAK_SLACK, (method, got)
