@@ -110,7 +110,8 @@ class FusedLinears:
 
     @property
     def sizes(self) -> list[int]:
-        return [lin.out_features for lin in self.linears]        # the (sharded) rows
+        return [lin.out_features if lin.weight is None else lin.weight.shape[0]   # the
+                for lin in self.linears]                       # (sharded) rows; None: quantized
 
     @torch.no_grad()
     def pack(self) -> bool:
