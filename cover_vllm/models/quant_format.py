@@ -79,11 +79,11 @@ def quantize_rows(w: torch.Tensor, config: QuantConfig, dtype: torch.dtype,
     """w [n, k] (any float dtype) -> the buffers of QuantConfig.storage, scales in `dtype`.
     `amax` [n] (int8): the rows' max |w| to scale by, when w is a slice of longer rows (a
     row-parallel rank's columns: the scale of the whole row, so the rank's codes are TP=1's)."""
-    w = w.float()
+    w = w.to(torch.float32, copy=True)             # every step below works in place on it
     if config.method == "int8":
         amax = w.abs().amax(dim=1) if amax is None else amax.float()
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)   # [n]
-        q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = w.div_(scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return {"qweight": q, "weight_scale": scale}
     n, k = w.shape
     wg = w.view(n, k // config.group_size, config.group_size)          # [n, G, g]
@@ -91,7 +91,7 @@ def quantize_rows(w: torch.Tensor, config: QuantConfig, dtype: torch.dtype,
     scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo)).to(dtype)
     zero = (lo + 8 * scale.float()).to(dtype)
     base = zero.float() - 8 * scale.float()                            # what code 0 decodes to
-    q = torch.round((wg - base[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    q = wg.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
     return {"qweight": pack_nibbles(q.view(n, k).to(torch.uint8)), "weight_scale": scale,
             "weight_zero": zero}
 

@@ -180,9 +180,10 @@ class Int4CpuKernel:
         q = t["qweight"]
         self.n, self.group_size, self.bias = q.shape[0], group_size, bias
         rows = -(-self.n // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
-        self.packed = pack_int4_cpu(_pad_rows(q, rows))
         scale, zero = (_pad_rows(t[n], rows) for n in ("weight_scale", "weight_zero"))
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [G, N, 2]
+        self.packed = pack_int4_cpu(_pad_rows(q, rows))     # after the lasting allocation:
+                                                            # its temporaries then free cleanly
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,

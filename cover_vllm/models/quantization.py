@@ -45,7 +45,8 @@ from cover_vllm.models.safetensors_io import Slice
 __all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
            "check_quantization", "quantized_tensors", "reference_linear"]
 
-LOAD_CHUNK_BYTES = 64 << 20                 # rows of a checkpoint tensor staged at once
+LOAD_CHUNK_BYTES = 16 << 20     # rows of a checkpoint tensor staged at once; quantizing them
+                                # takes ~4 x this in fp32 temporaries
 
 
 # ---- quantized Linear layers ---------------------------------------------------------------
