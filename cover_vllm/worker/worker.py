@@ -15,7 +15,7 @@ from cover_vllm.models.loader import build_model, materialize, resolve_dtype, we
 from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
-from cover_vllm.worker.allocator import keep_activations_on_heap
+from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.memory import peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -54,6 +54,8 @@ class Worker:
             slices = param_slices(model, tp.rank, tp.world_size)
             tp.shard(model)                                     # model.dims: local heads now
         quantize_model(model, config.quantization)              # a rank quantizes its shard
+        if torch.device(device).type == "cpu":
+            map_large_allocations()             # weights and load temporaries: their own pages
         materialize(model, device)                              # this rank's shard only
         load_quantized(model, source, slices)                   # = load_into if unquantized
         pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
