@@ -1,5 +1,6 @@
-"""Weight-only quantization (`quantization="int8" | "int4" | "int4:G"`): the format, the math,
-and turning a model's projections into quantized ones that load from a bf16/fp32 checkpoint.
+"""Weight-only quantization (`quantization="int8" | "int4" | "int4:G"`): which layers are
+quantized, turning a model's projections into quantized ones, and loading them from a bf16/fp32
+checkpoint (the format's math: quant_format.py; the matmuls: quant_kernels.py).
 
 Formats (both computed at load, in fp32, from the tensor the unquantized model would have held):
 * int8: symmetric per output channel: w ~ q * s, q int8 in [-127, 127], s = max|w_row| / 127.
