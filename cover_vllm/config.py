@@ -34,6 +34,10 @@ class EngineConfig:
                            choices=KV_CACHE_MODES)
     dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype)",
                         choices=DTYPES)
+    quantization: str | None = option(
+        None, "weight-only quantized projections, computed at load: int8 (per output channel) "
+        "or int4 / int4:G (a scale and zero per G input columns, default 128); embeddings, "
+        "norms and routers keep --dtype")
     seed: int = option(0, "engine seed", kind="int")
     tensor_parallel_size: int = option(1, "shard the model over N worker processes",
                                        kind="positive_int",

@@ -58,6 +58,7 @@ class EvalSpec:
     use_tqdm: bool = True
     threads: int | None = None         # torch intra-op threads (None: the engine's default)
     dtype: str = "auto"                # EngineConfig.dtype
+    quantization: str | None = None    # EngineConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
     tasks = [get_task(name) for name in spec.tasks]
     choices = cache_choices(spec)
     llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=choices[0].kv_cache,
-              num_threads=spec.threads, dtype=spec.dtype)
+              num_threads=spec.threads, dtype=spec.dtype, quantization=spec.quantization)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
     rows = []

@@ -35,6 +35,9 @@ def _flags() -> list[str]:
     return [arg for o in engine_options() for arg in _flag(o)]
 
 
+VALUES["quantization"] = "int8"            # weight-only quantized projections (issue 27)
+
+
 def test_every_engine_option_has_a_test_value():
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {o.name for o in engine_options()} == set(VALUES)

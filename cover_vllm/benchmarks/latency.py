@@ -31,7 +31,8 @@ def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
     threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
-               num_threads=threads, dtype=spec.dtypes[0]), threads
+               num_threads=threads, dtype=spec.dtypes[0],
+               quantization=spec.quantization), threads
 
 
 def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:

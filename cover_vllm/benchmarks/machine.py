@@ -9,6 +9,7 @@ import torch
 
 from cover_vllm.flops import FlopModel
 from cover_vllm.models.base import ModelDims
+from cover_vllm.models.quant_format import QuantConfig
 
 
 PEAK_GEMM_SIZE = 2048     # the square GEMM whose rate is the MFU denominator
@@ -55,11 +56,17 @@ def mfu_bound(flops: float, weight_bytes: float, peak_gflops: float, read_gbps: 
     return min(1.0, flops / weight_bytes * read_gbps / peak_gflops)
 
 
-def forward_weight_bytes(model: FlopModel, dtype: torch.dtype) -> float:
+def forward_weight_bytes(model: FlopModel, dtype: torch.dtype,
+                         quantization: QuantConfig | None = None) -> float:
     """Bytes of weights one forward reads: every matrix a token multiplies through and the LM
-    head (the embedding table is only gathered from)."""
+    head (the embedding table is only gathered from), as stored: `quantization`'s codes and
+    scales (models/quant_format.py) for the quantized projections."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return float((model.params_per_token + model.head_per_row // 2) * itemsize)
+    body = head = float(itemsize)
+    if quantization is not None:
+        body = quantization.bytes_per_weight(itemsize)
+        head = body if quantization.lm_head else head
+    return model.params_per_token * body + model.head_per_row // 2 * head
 
 
 def pin_threads(model: str, requested: int | None) -> int:

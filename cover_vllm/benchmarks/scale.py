@@ -4,7 +4,9 @@ One process (run it fresh: the peak is the process's VmHWM since start): load se
 memory plan (weight bytes, KV budget and pages), peak resident memory of every rank after
 loading and after generating, then one COVER + dual-cache generation at batch 1 and one at
 batch 4 (`output_len` tokens, one block, random prompt ids, EOS ignored): seconds per engine
-step (all steps, and window steps without the block-start refresh) and output tokens/s.
+step (all steps, and window steps without the block-start refresh), output tokens/s, MFU and
+MBU (the weight bytes a step reads as stored, quantized or not, over the measured read rate;
+`--quantization` runs the weight-only int8 / int4 model).
 `logits_path` saves the driver's logits of the very first forward (batch 1) so two runs, e.g.
 TP=1 and TP=2, can be compared (`compare_logits`).
 """
@@ -17,10 +19,11 @@ import time
 
 import torch
 
-from cover_vllm.benchmarks.machine import machine_info
+from cover_vllm.benchmarks.machine import dtype_name, forward_weight_bytes, machine_info
 from cover_vllm.engine.observer import PHASES
 from cover_vllm.entrypoints.llm import LLM
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.loader import resolve_dtype
 from cover_vllm.sampling_params import SamplingParams
 
 GiB = 1 << 30
@@ -30,6 +33,7 @@ GiB = 1 << 30
 class ScaleSpec:
     model: str
     dtype: str = "auto"
+    quantization: str | None = None        # weight-only int8 / int4 (EngineConfig)
     tensor_parallel_size: int = 1
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9
@@ -73,7 +77,10 @@ def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
     totals = [sum(t[p] for p in PHASES) for t in steps]
     window = [s for s, t in zip(totals, steps) if not t["num_refresh"]] or totals
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    flops = sum(llm.engine.flop_model.forward(t["num_tokens"], t["attn_pairs"], t["logit_rows"])
+                for t in steps)
     return {"batch_size": batch, "steps": len(steps), "step_s": statistics.mean(totals),
+            "flops": flops, "busy_s": sum(totals),
             "window_step_s": statistics.mean(window), "forward_s": statistics.mean(
                 t["forward"] for t in steps), "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "nfe": statistics.mean(o.metrics.nfe for o in outs),
@@ -86,6 +93,7 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     start = time.perf_counter()
     llm = LLM(spec.model, decoding="cover", kv_cache="dual", dtype=spec.dtype, seed=spec.seed,
+              quantization=spec.quantization,
               tensor_parallel_size=spec.tensor_parallel_size, load_format=load_format,
               kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
               memory_utilization=spec.memory_utilization, num_threads=spec.threads)
@@ -108,8 +116,26 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
         log(f"batch {batch}: {row['steps']} steps, {row['step_s']:.2f} s/step "
             f"({row['window_step_s']:.2f} s per window step), {row['tokens_per_s']:.2f} tok/s")
     report["peak_rss"] = llm.engine.peak_memory_bytes()
+    _roofline(llm, report)
     llm.shutdown()
     return report
+
+
+def _roofline(llm: LLM, report: dict) -> None:
+    """MFU (model FLOPs / step time / the GEMM peak in the model dtype) and MBU (weight bytes a
+    step reads, quantized as stored, / step time / the read rate) of every generate row; the
+    probes run after the peak memory was read, so they do not count in it."""
+    config = llm.engine.config
+    dtype = resolve_dtype(config.dtype, llm.engine.spec, config.device)
+    machine = machine_info((dtype,))
+    peak, read = machine["matmul_gflops"][dtype_name(dtype)], machine["read_gbps"]
+    per_forward = forward_weight_bytes(llm.engine.flop_model, dtype, llm.engine.quantization)
+    report["machine"] = machine
+    report["weight_bytes_per_forward"] = per_forward
+    for row in report["generate"]:
+        row["mfu"] = row["flops"] / row["busy_s"] / (peak * 1e9)
+        row["mbu"] = row["steps"] * per_forward / row["busy_s"] / (read * 1e9)
+
 
 
 def format_scale(report: dict) -> str:
@@ -117,13 +143,16 @@ def format_scale(report: dict) -> str:
     lines = [f"model {report['spec']['model']} ({report['load_format']}), "
              f"TP={report['spec']['tensor_parallel_size']}, "
              f"{report['machine']['threads']} threads",
+             f"quantization {report['spec'].get('quantization') or 'none'}, "
              f"load {report['load_s']:.1f} s, weights {report['weight_bytes'] / GiB:.2f} GiB, "
              f"KV {report['kv_bytes'] / GiB:.2f} GiB ({report['kv_pages']} pages), "
              f"peak RSS per rank [{peaks}] GiB",
-             "| batch | steps | s/step | s/window step | tokens/s | NFE |", "|---|---|---|---|---|---|"]
+             "| batch | steps | s/step | s/window step | tokens/s | NFE | MFU | MBU |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["generate"]:
         lines.append(f"| {r['batch_size']} | {r['steps']} | {r['step_s']:.2f} | "
-                     f"{r['window_step_s']:.2f} | {r['tokens_per_s']:.2f} | {r['nfe']:.0f} |")
+                     f"{r['window_step_s']:.2f} | {r['tokens_per_s']:.2f} | {r['nfe']:.0f} | "
+                     f"{r['mfu']:.1%} | {r['mbu']:.1%} |")
     return "\n".join(lines)
 
 

@@ -53,6 +53,7 @@ class ThroughputSpec:
     decoding_params: tuple = ()        # ((strategy, {params}), ...)
     dtypes: tuple[str, ...] = ("auto",)   # weights and activations: each is a set of rows
     repeats: int = 1                   # timed runs of every combination, round-robin
+    quantization: str | None = None    # EngineConfig.quantization: weight-only int8 / int4
 
 
 @dataclass
@@ -169,7 +170,8 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
                                                       len(ids) + work.output_len)
                 for ids in prompts)             # one full forward per step, output_len steps
     dtype = next(model.parameters()).dtype
-    streamed = work.output_len * len(prompts) * forward_weight_bytes(llm.engine.flop_model, dtype)
+    streamed = work.output_len * len(prompts) * forward_weight_bytes(
+        llm.engine.flop_model, dtype, llm.engine.quantization)
     return {"dtype": dtype_name(dtype),
             "tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
             "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
@@ -212,14 +214,15 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     dtypes = [resolve_dtype(d, model_spec) for d in dict.fromkeys(spec.dtypes)]
     machine = machine_info(tuple(dtypes))
     load_format = "dummy" if resolved.path is None else "auto"
-    report = {"machine": machine, "model": spec.model, "reference": {}, "results": []}
+    report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
+              "quantization": spec.quantization}
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]
         for bs in spec.batch_sizes:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
-                      num_threads=threads, dtype=name)
+                      num_threads=threads, dtype=name, quantization=spec.quantization)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             if name not in report["reference"] and spec.reference_prompts:
                 ref = run_reference(llm, work, spec.reference_prompts, peak,
@@ -248,7 +251,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         outs, seconds, overhead, flops, forwards, peak_pages = next(
             run for run in measured if run.seconds == median)
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
-                                                   getattr(torch, dtype))
+                                                   getattr(torch, dtype),
+                                                   llm.engine.quantization)
         ms = [o.metrics for o in outs]
         tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
         gflops = flops / max(tokens, 1) / 1e9

@@ -22,6 +22,8 @@ from cover_vllm.flops import FlopModel, item_shape
 from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.loader import build_model, resolve_dtype
+from cover_vllm.models.quantization import (check_quantization, parse_quantization,
+                                            quantize_model)
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
@@ -77,8 +79,11 @@ class Engine:
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
         meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
-        self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
         self.flop_model = FlopModel.of(meta, meta.dims)
+        self.quantization = parse_quantization(config.quantization)   # ValueError names it
+        check_quantization(meta, self.quantization, config.tensor_parallel_size)
+        quantize_model(meta, self.quantization)                # the plan counts quantized bytes
+        self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
         # the resolved KV budget travels to every rank (the same page count everywhere)
         self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
         self.tokenizer = _load_tokenizer(resolved.path)

@@ -60,7 +60,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     spec = EvalSpec(model=args.model, tasks=tuple(tasks), decodings=args.decoding, num=args.num,
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
                     cache_refresh=refreshes, decoding_params=tuple(params.items()),
-                    use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype)
+                    use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype,
+                    quantization=args.quantization)
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
         print(f"[eval] {row.task} {row.decoding}{k} {row.kv_cache} {row.cache_refresh}: "
@@ -101,7 +102,8 @@ def _bench_spec(args: argparse.Namespace):
                           task=args.task,
                           reference_prompts=getattr(args, "reference_prompts", 0),
                           decoding_params=tuple(params.items()),
-                          repeats=getattr(args, "timed_runs", 1))
+                          repeats=getattr(args, "timed_runs", 1),
+                          quantization=args.quantization)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -156,7 +158,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
 def cmd_bench_scale(args: argparse.Namespace) -> None:
     from cover_vllm.benchmarks.scale import ScaleSpec, format_scale, run_scale
 
-    spec = ScaleSpec(model=args.model, dtype=args.dtype,
+    spec = ScaleSpec(model=args.model, dtype=args.dtype, quantization=args.quantization,
                      tensor_parallel_size=args.tensor_parallel_size,
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                      memory_utilization=args.memory_utilization, threads=args.num_threads,
@@ -192,9 +194,9 @@ def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> N
         p.add_argument("--dtype", type=dtypes, default=("auto",),
                        help="weights and activations, comma-separated to compare (auto: the "
                        "checkpoint's torch_dtype); MFU is against the peak GEMM rate in each")
-        add_engine_flags(p, ["num_threads", "seed"])
+        add_engine_flags(p, ["num_threads", "seed", "quantization"])
     else:
-        add_engine_flags(p, ["dtype", "num_threads", "seed"])
+        add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization"])
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -272,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
-    add_engine_flags(e, ["dtype", "num_threads"])
+    add_engine_flags(e, ["dtype", "num_threads", "quantization"])
     e.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
@@ -298,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc = b.add_parser("scale", help="load seconds, peak memory, s/step and tok/s of a "
                       "full-size model (run in a fresh process)")
     sc.add_argument("--model", required=True, help="checkpoint directory or built-in shape")
-    add_engine_flags(sc, ["dtype", "kv_cache_memory_bytes", "memory_utilization",
-                          "tensor_parallel_size", "num_threads", "seed"])
+    add_engine_flags(sc, ["dtype", "quantization", "kv_cache_memory_bytes",
+                          "memory_utilization", "tensor_parallel_size", "num_threads", "seed"])
     sc.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens")
     sc.add_argument("--output-len", type=positive_int, default=32, help="generated tokens")
     sc.add_argument("--batch-size", type=positive_ints, default=(1, 4),

@@ -106,10 +106,12 @@ class FusedLinears:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None    # oneDNN-blocked weight (`pack`)
+        self.quant = None       # weight-only quantized storage (models/quant_kernels.py)
 
     @property
     def sizes(self) -> list[int]:
-        return [lin.weight.shape[0] for lin in self.linears]     # the (sharded) rows
+        return [lin.out_features if lin.weight is None else lin.weight.shape[0]   # the
+                for lin in self.linears]                       # (sharded) rows; None: quantized
 
     @torch.no_grad()
     def pack(self) -> bool:
@@ -118,7 +120,10 @@ class FusedLinears:
         project's machine, with the same bits. The plain weights are freed (the layers keep
         zero-row placeholders), so memory does not grow beyond one group's copy while it is
         made; a group above PACK_MAX_BYTES (a 7-8B model's LM head, 1 GB) stays plain for that
-        reason. Only an inference engine should call this. Returns whether it packed."""
+        reason. Only an inference engine should call this. Returns whether it packed.
+        A quantized group hands its codes to its kernel instead (`QuantizedGroup.pack`)."""
+        if self.quant is not None:
+            return self.quant.pack()
         if (not self._fused() or self.weight.device.type != "cpu"
                 or self.weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
                 or self.weight.numel() * self.weight.element_size() > PACK_MAX_BYTES):
@@ -136,6 +141,9 @@ class FusedLinears:
     def fuse(self, copy: bool = True) -> None:
         """Allocate the fused tensors and make every layer's parameters views of them (`copy`:
         keep their current values; False right after materialising, when they hold nothing)."""
+        if self.quant is not None:              # quantized: its buffers fuse the same way
+            self.quant.fuse(copy)
+            return
         first = self.linears[0].weight
         if first.device.type == "meta":
             return
@@ -171,6 +179,8 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, sum(out)]: the layers' outputs side by side, from one GEMM."""
+        if self.quant is not None:
+            return self.quant(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self._fused():

@@ -78,15 +78,18 @@ class MemoryPlan:
 
 
 def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
-    """(bytes of one rank, bytes of all ranks) of a meta model split over `world_size` ranks."""
+    """(bytes of one rank, bytes of all ranks) of a meta model split over `world_size` ranks
+    (a quantized Linear's buffers count as its weight: models/quantization.py)."""
     from cover_vllm.distributed.tensor_parallel import param_slices
+    from cover_vllm.models.quantization import quantized_tensors
 
+    named = [*model.named_parameters(), *quantized_tensors(model)]
     if world_size == 1:
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        total = sum(p.numel() * p.element_size() for _, p in named)
         return total, total
     sliced = param_slices(model, 0, world_size)
     sharded = replicated = 0
-    for name, p in model.named_parameters():
+    for name, p in named:
         nbytes = p.numel() * p.element_size()
         if name in sliced and not sliced[name].zero:
             sharded += nbytes

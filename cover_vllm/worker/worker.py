@@ -11,11 +11,11 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.distributed.tensor_parallel import param_slices
 from cover_vllm.models.layers import pack_projections
-from cover_vllm.models.loader import (build_model, load_into, materialize, resolve_dtype,
-                                      weight_source)
+from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
+from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
-from cover_vllm.worker.allocator import keep_activations_on_heap
+from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.memory import peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -53,10 +53,13 @@ class Worker:
         if tp is not None:
             slices = param_slices(model, tp.rank, tp.world_size)
             tp.shard(model)                                     # model.dims: local heads now
-        materialize(model, device)                              # this rank's shard only
-        load_into(model, source, slices)
+        quantize_model(model, config.quantization)              # a rank quantizes its shard
         if torch.device(device).type == "cpu":
-            pack_projections(model)             # bf16: oneDNN-blocked weights, same bits
+            map_large_allocations()             # weights and load temporaries: their own pages
+        materialize(model, device)                              # this rank's shard only
+        load_quantized(model, source, slices)                   # = load_into if unquantized
+        pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
+        if torch.device(device).type == "cpu":                  # the kernel's layout
             keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len)

@@ -1,0 +1,138 @@
+"""The weight-only quantization format: the config parsed from `quantization=`, and the math
+that turns a float weight into codes and scales and back (models/quantization.py has the
+formats' description; quant_kernels.py runs the matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+METHODS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)       # what torch's CPU int4 kernel accepts
+DEFAULT_GROUP_SIZE = 128
+QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero")
+_ALLOWED = "None, 'int8', 'int4' or 'int4:G' (G = 32, 64, 128 or 256 input columns per scale)"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One model's weight-only quantization (`parse_quantization` builds it from the option)."""
+
+    method: str                             # "int8" | "int4"
+    group_size: int = DEFAULT_GROUP_SIZE    # int4: input columns sharing a scale and zero
+    lm_head: bool = True                    # quantize the LM head too (see the module doc)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantization={self.method!r}; choose one of {_ALLOWED}")
+        if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization='int4:{self.group_size}': the group size must be one "
+                             f"of {INT4_GROUP_SIZES}")
+
+    @property
+    def label(self) -> str:
+        return "int8" if self.method == "int8" else f"int4:{self.group_size}"
+
+    def storage(self, n: int, k: int, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Buffer name -> (shape, dtype) of one quantized [n, k] weight in a `dtype` model."""
+        if self.method == "int8":
+            return {"qweight": ((n, k), torch.int8), "weight_scale": ((n,), dtype)}
+        groups = k // self.group_size
+        return {"qweight": ((n, k // 2), torch.uint8), "weight_scale": ((n, groups), dtype),
+                "weight_zero": ((n, groups), dtype)}
+
+    def bytes_per_weight(self, itemsize: int) -> float:
+        """Bytes stored (and read by a forward) per weight, scales included (int8's one scale a
+        row is left out: under 1 % of a row of >= 128 columns)."""
+        if self.method == "int8":
+            return 1.0
+        return 0.5 + 2 * itemsize / self.group_size
+
+
+def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
+    """The `quantization` option: None / "none", "int8", "int4" or "int4:G"."""
+    if value is None or isinstance(value, QuantConfig):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"quantization={value!r}; choose one of {_ALLOWED}")
+    method, _, group = value.strip().lower().partition(":")
+    if method == "none" and not group:
+        return None
+    if method == "int8" and not group:
+        return QuantConfig("int8")
+    if method == "int4":
+        if not group:
+            return QuantConfig("int4")
+        if group.isdigit():
+            return QuantConfig("int4", int(group))
+    raise ValueError(f"quantization={value!r}; choose one of {_ALLOWED}")
+
+
+# ---- the math ------------------------------------------------------------------------------
+
+def quantize_rows(w: torch.Tensor, config: QuantConfig, dtype: torch.dtype,
+                  amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """w [n, k] (any float dtype) -> the buffers of QuantConfig.storage, scales in `dtype`.
+    `amax` [n] (int8): the rows' max |w| to scale by, when w is a slice of longer rows (a
+    row-parallel rank's columns: the scale of the whole row, so the rank's codes are TP=1's)."""
+    w = w.to(torch.float32, copy=True)             # every step below works in place on it
+    if config.method == "int8":
+        amax = w.abs().amax(dim=1) if amax is None else amax.float()
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)   # [n]
+        q = w.div_(scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return {"qweight": q, "weight_scale": scale}
+    n, k = w.shape
+    wg = w.view(n, k // config.group_size, config.group_size)          # [n, G, g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)                          # [n, G]
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo)).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    base = zero.float() - 8 * scale.float()                            # what code 0 decodes to
+    q = wg.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+    return {"qweight": pack_nibbles(q.view(n, k).to(torch.uint8)), "weight_scale": scale,
+            "weight_zero": zero}
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[n, k] 4-bit codes (uint8) -> [n, k/2] uint8, column 2j in the high nibble."""
+    return (codes[:, 0::2] << 4) | codes[:, 1::2]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[n, k/2] uint8 -> [n, k] codes (uint8); inverse of `pack_nibbles`."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize(t: dict[str, torch.Tensor], config: QuantConfig) -> torch.Tensor:
+    """The weight [n, k] the buffers stand for, in the scales' dtype: the slow reference every
+    kernel is checked against."""
+    scale = t["weight_scale"]
+    if config.method == "int8":
+        return (t["qweight"].float() * scale.float()[:, None]).to(scale.dtype)
+    codes = unpack_nibbles(t["qweight"]).float()
+    n, k = codes.shape
+    g = config.group_size
+    w = (codes.view(n, k // g, g) - 8) * scale.float()[..., None] + t["weight_zero"].float()[
+        ..., None]
+    return w.view(n, k).to(scale.dtype)
+
+
+# ---- a quantized Linear's storage ----------------------------------------------------------
+
+def linear_buffers(linear: nn.Linear) -> dict[str, torch.Tensor]:
+    """The quantized storage of `linear` (empty for a Linear that is not quantized)."""
+    return {name: buf for name in QUANT_BUFFERS
+            if (buf := linear._buffers.get(name)) is not None}
+
+
+def is_quantized(linear: nn.Module) -> bool:
+    return isinstance(linear, nn.Linear) and "qweight" in linear._buffers
+
+
+def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] -> [T, out] through the dequantized weight: F.linear, nothing fused."""
+    w = dequantize(linear_buffers(linear), linear.quant_config)
+    return F.linear(x, w.to(x.dtype), linear.bias)

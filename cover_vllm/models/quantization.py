@@ -1,0 +1,224 @@
+"""Weight-only quantization (`quantization="int8" | "int4" | "int4:G"`): which layers are
+quantized, turning a model's projections into quantized ones, and loading them from a bf16/fp32
+checkpoint (the format's math: quant_format.py; the matmuls: quant_kernels.py).
+
+Formats (both computed at load, in fp32, from the tensor the unquantized model would have held):
+* int8: symmetric per output channel: w ~ q * s, q int8 in [-127, 127], s = max|w_row| / 127.
+* int4: asymmetric per group of G input columns (G = 128 by default; 32, 64, 128 or 256, what
+  torch's CPU kernel accepts), the convention of torch's int4 kernels (tinygemm):
+  w ~ (q - 8) * scale + zero, q in [0, 15], zero = min + 8 * scale.
+Scales and zeros are stored in the model dtype (the kernels take them in the activations'
+dtype); codes are rounded against the stored, already-rounded scale and zero.
+
+Which layers: every nn.Linear in a `FusedLinears` group (models/layers.py): attention q/k/v/o,
+MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through.
+Embeddings, norms and the MoE router (`mlp.gate`, in no group) keep the model dtype. The LM head
+is quantized by default (`QuantConfig.lm_head`): at LLaDA-8B's shape it is 6.5 % of the weights,
+and leaving it in bf16 would put the int8 model over 0.55 x the bf16 peak (docs/benchmarks.md
+"Quantized weights" has the measurement).
+
+A quantized Linear stays the same module under the same name, so its owner's `parallel_plan()`
+still declares it; `quantize_model` runs on the meta device after tensor parallelism has shrunk
+the model to a rank's shard (distributed/tensor_parallel.py), so a rank quantizes exactly its
+rows (column split) or columns (row split) and its scales follow them. Its `weight` parameter is
+replaced by buffers (QUANT_BUFFERS): `qweight` (int8 [N, K], or uint8 [N, K/2]: two 4-bit codes
+a byte, the even column in the high nibble, the layout CUDA's int4 pack takes), `weight_scale`
+([N] or [N, K/G]) and, for int4, `weight_zero` [N, K/G]. `load_quantized` reads each such
+weight a bounded chunk of rows at a time and quantizes it into place, so loading peaks at the
+quantized bytes plus one chunk (LOAD_CHUNK_BYTES), never a whole bf16 tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from cover_vllm.models.layers import FusedLinears, projection_groups
+from cover_vllm.models.loader import load_into
+from cover_vllm.models.quant_format import (QuantConfig, is_quantized, linear_buffers,
+                                            parse_quantization, quantize_rows,
+                                            reference_linear)
+from cover_vllm.models.quant_kernels import QuantizedGroup
+from cover_vllm.models.safetensors_io import Slice
+
+__all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
+           "check_quantization", "quantized_tensors", "reference_linear"]
+
+LOAD_CHUNK_BYTES = 16 << 20     # rows of a checkpoint tensor staged at once; quantizing them
+                                # takes ~4 x this in fp32 temporaries
+
+
+# ---- quantized Linear layers ---------------------------------------------------------------
+
+def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """(qualified name, Linear) of every quantized Linear of `model`."""
+    for name, module in model.named_modules():
+        if is_quantized(module):
+            yield name, module
+
+
+def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name of the weight, tensor) for every quantized buffer: what a weight-byte
+    count adds to the parameters (a sharded weight's buffers are sharded with it)."""
+    for name, linear in quantized_linears(model):
+        for buf in linear_buffers(linear).values():
+            yield f"{name}.weight", buf
+
+
+def _head_groups(model: nn.Module) -> set[int]:
+    head = getattr(model, "head", None)            # the LM head's group (LLaDA, StackedLM)
+    return {id(head)} if isinstance(head, FusedLinears) else set()
+
+
+def check_quantization(model: nn.Module, config: QuantConfig | None,
+                       world_size: int = 1) -> None:
+    """ValueError unless every Linear to quantize has an int4 group-aligned input width, on
+    every rank (a row-parallel Linear's `parallel_plan()` splits its input over `world_size`)."""
+    if config is None or config.method != "int4":
+        return
+    row_split: set[int] = set()
+    for module in model.modules():
+        declare = getattr(module, "parallel_plan", None)
+        if callable(declare) and world_size > 1:
+            plan = declare()
+            row_split |= {id(getattr(module, a)) for a in (*plan.row, *plan.row_unreduced)}
+    names = {id(m): n for n, m in model.named_modules()}
+    for group in _selected_groups(model, config):
+        for lin in group.linears:
+            k = lin.in_features // (world_size if id(lin) in row_split else 1)
+            if k % config.group_size:
+                raise ValueError(
+                    f"quantization={config.label!r}: {names.get(id(lin), 'a layer')} has {k} "
+                    f"input columns per rank, not a multiple of the group size "
+                    f"{config.group_size}; use int4:G with G dividing {k}, or int8")
+
+
+def _selected_groups(model: nn.Module, config: QuantConfig) -> list[FusedLinears]:
+    skip = set() if config.lm_head else _head_groups(model)
+    return [g for g in projection_groups(model) if id(g) not in skip]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
+    """Turn the projections of a meta-device `model` (already a rank's shard) into quantized
+    Linears: each group gets a `QuantizedGroup`, each Linear the empty buffers of its format
+    instead of its weight. Returns how many Linears were converted (0 for None)."""
+    config = parse_quantization(config)
+    if config is None:
+        return 0
+    check_quantization(model, config)
+    count = 0
+    for group in _selected_groups(model, config):
+        for lin in group.linears:
+            weight = lin.weight
+            lin.weight = None                                    # no longer a parameter
+            for name, (shape, dtype) in config.storage(lin.out_features, lin.in_features,
+                                                       weight.dtype).items():
+                lin.register_buffer(name, torch.empty(shape, dtype=dtype, device=weight.device))
+            lin.quant_config = config
+            count += 1
+        group.quant = QuantizedGroup(group, config)
+        if len(group.linears) == 1:     # called as a module (TP's all-reduce hook still runs)
+            group.linears[0].forward = group.__call__
+    return count
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+class _Without:
+    """A WeightSource that no longer offers `hidden` (tensors already loaded elsewhere)."""
+
+    def __init__(self, source, hidden: set[str]):
+        self.source, self.hidden = source, hidden
+
+    def names(self) -> set[str] | None:
+        names = self.source.names()
+        return None if names is None else names - self.hidden
+
+    def shape(self, name: str):
+        return self.source.shape(name)
+
+    def fill(self, name: str, dst: torch.Tensor, sl: Slice | None) -> None:
+        self.source.fill(name, dst, sl)
+
+    def file_of(self, name: str) -> str:
+        return self.source.file_of(name)
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
+
+
+def _row_chunks(full_rows: int, sl: Slice | None, row_bytes: int) -> Iterator[tuple[int, Slice]]:
+    """(first destination row, the rows to read as a dim-0 Slice of the full tensor), at most
+    LOAD_CHUNK_BYTES of full-width rows each."""
+    per = max(1, LOAD_CHUNK_BYTES // max(1, row_bytes))
+    ranges = sl.ranges if sl is not None and sl.dim == 0 else ((0, full_rows),)
+    at = 0
+    for first, size in ranges:
+        for a in range(0, size, per):
+            n = min(per, size - a)
+            yield at + a, Slice(0, first + a, n, full_rows)
+        at += size
+
+
+@torch.no_grad()
+def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
+                 sl: Slice | None) -> None:
+    """Quantize checkpoint tensor `name` (its TP slice `sl`) into `linear`'s buffers."""
+    bufs = linear_buffers(linear)
+    dtype = bufs["weight_scale"].dtype           # the model dtype: what it would have loaded as
+    shard = (linear.out_features, linear.in_features)
+    want = sl.full_shape(shard) if sl is not None else shard
+    got = source.shape(name)
+    if got is not None and tuple(got) != want:
+        raise ValueError(f"{name}: checkpoint shape {tuple(got)} != model shape {want}")
+    full_rows, full_cols = want
+    for at, rows in _row_chunks(full_rows, sl, full_cols * dtype.itemsize):
+        stage = torch.empty((rows.size, full_cols), dtype=dtype)
+        source.fill(name, stage, rows)
+        amax = None
+        if sl is not None and sl.dim == 1:        # a row-parallel rank's input columns; int8
+            amax = stage.abs().amax(dim=1)        # scales by the whole row, int4's groups lie
+            stage = sl.take(stage)                # inside the rank's columns: both are TP=1's
+        for key, value in quantize_rows(stage, config, dtype, amax).items():
+            bufs[key][at:at + rows.size].copy_(value)
+
+
+def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = None) -> None:
+    """`loader.load_into` for a model with quantized Linears: each quantized weight is read a
+    chunk of rows at a time (its TP slice only) and quantized into its buffers; every other
+    parameter loads as usual."""
+    slices = slices or {}
+    claimed = set()
+    for prefix, linear in quantized_linears(model):
+        name = f"{prefix}.weight"
+        _load_linear(linear, linear.quant_config, source, name, slices.get(name))
+        claimed.add(name)
+    load_into(model, _Without(source, claimed) if claimed else source, slices)
+
+
+
+def load_quantized_model(model_dir, quantization: QuantConfig | str | None,
+                         dtype: str | torch.dtype = "float32", load_format: str = "auto",
+                         seed: int = 0, pack: bool = True) -> nn.Module:
+    """`loader.load_model` with quantized projections: the dense oracle (`model(input_ids)`)
+    of what the engine runs; `pack=False` keeps the slow reference path."""
+    from cover_vllm.models.builtin import resolve_model
+    from cover_vllm.models.layers import pack_projections
+    from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
+    from cover_vllm.models.spec import ModelSpec
+
+    resolved = resolve_model(model_dir)
+    spec = ModelSpec.from_config(resolved.config)
+    model = build_model(spec, resolve_dtype(dtype, spec), "meta")
+    source = weight_source(resolved, model, load_format, seed)
+    quantize_model(model, quantization)
+    materialize(model, "cpu")
+    load_quantized(model, source)
+    if pack:
+        pack_projections(model)
+    return model.eval().requires_grad_(False)
