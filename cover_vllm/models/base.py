@@ -31,6 +31,16 @@ class ModelDims:
     vocab_size: int
 
 
+def hf_dims(cfg: dict) -> ModelDims:
+    """ModelDims from Hugging Face config keys (num_attention_heads, num_key_value_heads,
+    head_dim when it is not hidden / heads, as in SDAR and LLaDA2)."""
+    heads = cfg["num_attention_heads"]
+    return ModelDims(num_layers=cfg["num_hidden_layers"], num_heads=heads,
+                     num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                     hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """How tensor parallelism splits one module's own Linear layers, declared by the module in

@@ -15,18 +15,10 @@ from typing import Any
 
 import torch
 
-from cover_vllm.models.base import ModelDims, dense_forward
+from cover_vllm.models.base import dense_forward, hf_dims
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
-
-
-def dream_dims(cfg: dict[str, Any]) -> ModelDims:
-    heads = cfg["num_attention_heads"]
-    return ModelDims(num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                     num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
 
 
 def dream_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -59,7 +51,7 @@ class DreamModel(StackedLM):
         if cfg.get("rope_scaling"):
             raise ValueError(f"Dream rope_scaling={cfg['rope_scaling']!r} is not supported "
                              "(only plain RoPE, rope_scaling null)")
-        d = dream_dims(cfg)
+        d = hf_dims(cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         layers = [DecoderLayer(SelfAttention(d, qkv_bias=True, o_bias=False),
                                SwiGLU(d.hidden_size, cfg["intermediate_size"]), eps)

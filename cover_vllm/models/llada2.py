@@ -29,18 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan
+from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan, hf_dims
 from cover_vllm.models.layers import FusedLinears, RMSNorm, RotaryEmbedding, Rotation, SwiGLU
 from cover_vllm.models.query_masks import masked_dense_forward
 from cover_vllm.models.spec import ModelSpec
-
-
-def llada2_dims(cfg: dict[str, Any]) -> ModelDims:
-    heads = cfg["num_attention_heads"]
-    return ModelDims(num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                     num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
 
 
 def check_llada2_config(cfg: dict[str, Any]) -> None:
@@ -203,7 +195,7 @@ class LLaDA2MoeModelLM(nn.Module):
         super().__init__()
         cfg = spec.hf_config
         check_llada2_config(cfg)
-        self.spec, self.dims = spec, llada2_dims(cfg)
+        self.spec, self.dims = spec, hf_dims(cfg)
         d = self.dims
         self.model = nn.Module()
         self.model.word_embeddings = nn.Embedding(d.vocab_size, d.hidden_size)

@@ -33,18 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import ModelDims, ParallelPlan, key_padding_forward
+from cover_vllm.models.base import (ModelDims, ParallelPlan, hf_dims,
+                                     key_padding_forward)
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
 from cover_vllm.models.spec import ModelSpec
-
-
-def llada_moe_dims(cfg: dict[str, Any]) -> ModelDims:
-    heads = cfg["num_attention_heads"]
-    return ModelDims(num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                     num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
 
 
 def moe_layer_flags(cfg: dict[str, Any]) -> list[bool]:
@@ -131,7 +124,7 @@ class LLaDAMoEModelLM(StackedLM):
         if score != "softmax":
             raise ValueError(f"moe_router_score_function={score!r} is not supported; "
                              "only 'softmax'")
-        d = llada_moe_dims(cfg)
+        d = hf_dims(cfg)
         layers = [_decoder_layer(cfg, d, is_moe) for is_moe in moe_layer_flags(cfg)]
         rotary_dim = int(d.head_dim * cfg.get("partial_rotary_factor", 1.0))
         super().__init__(spec, d, DecoderStack(d, layers, cfg.get("rms_norm_eps", 1e-5)),

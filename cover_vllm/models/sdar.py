@@ -26,19 +26,11 @@ from typing import Any
 
 import torch
 
-from cover_vllm.models.base import ModelDims
+from cover_vllm.models.base import hf_dims
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
 from cover_vllm.models.query_masks import block_causal_allowed, masked_dense_forward
 from cover_vllm.models.spec import ModelSpec
-
-
-def sdar_dims(cfg: dict[str, Any]) -> ModelDims:
-    heads = cfg["num_attention_heads"]
-    return ModelDims(num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                     num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
 
 
 def check_sdar_config(cfg: dict[str, Any]) -> None:
@@ -60,7 +52,7 @@ class SDARForCausalLM(StackedLM):
     def __init__(self, spec: ModelSpec):
         cfg = spec.hf_config
         check_sdar_config(cfg)
-        d = sdar_dims(cfg)
+        d = hf_dims(cfg)
         eps = cfg.get("rms_norm_eps", 1e-6)
         bias = bool(cfg.get("attention_bias", False))
         layers = [DecoderLayer(SelfAttention(d, qkv_bias=bias, o_bias=bias, qk_norm_eps=eps),
