@@ -1,6 +1,6 @@
 """cover_vllm: an inference engine for masked diffusion LLMs with COVER decoding."""
 
-from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.llm import LLM
 from cover_vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import strategy_class

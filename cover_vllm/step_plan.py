@@ -1,10 +1,10 @@
-"""StepPlan and RowDecision: what a request's strategy asks of its next forward, and what it
-decided after it. A plan may carry more than the window: extra query rows (ExtraRows) and
-input-embedding edits (EmbedEdit).
+"""StepPlan, ModelRunnerOutput and RowDecision: what a request's strategy asks of its next
+forward, what the forward returns, and what the strategy decided after it. A plan may carry more
+than the window: extra query rows (ExtraRows) and input-embedding edits (EmbedEdit).
 
 A neutral module: the strategies build these, the engine's strategy stage makes the plans, the
-scheduler packs them into work items and the runner executes them, so it sits below all four
-and imports nothing of the package.
+scheduler packs them into work items, the runner executes them and tensor parallelism reduces
+their outputs, so it sits below all five and imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -74,3 +74,19 @@ class RowDecision:
     keeps: int                        # verified tokens left unchanged
     verified: int                     # positions checked this step
     stop: bool = False                # end the request right after this step
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward returns to the engine: the views' logits, per work item, and the
+    statistics a strategy or the refresh policy asked for (the runner builds it; tensor
+    parallelism reduces its statistics across ranks)."""
+
+    logits: list[torch.Tensor]    # per work item: [view_len, V] float32, row i predicts view pos i
+    drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
+    attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
+    prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
+    extra_logits: list[torch.Tensor | None] | None = None   # per item [E, V] (items with extras)
+    cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
+                                    # rows' attention on keys outside the view (None: no such row)
+    column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key

@@ -24,10 +24,10 @@ LAYERS = [
     ("worker", ["cover_vllm.worker", "cover_vllm.distributed", "cover_vllm.executor",
                 "cover_vllm.reference_decode"]),
     ("engine", ["cover_vllm.engine"]),
-    ("offline API", ["cover_vllm.entrypoints.llm", "cover_vllm.entrypoints.__init__",
-                     "cover_vllm.__init__"]),
+    ("offline API", ["cover_vllm.llm", "cover_vllm.__init__"]),
     ("applications", ["cover_vllm.eval", "cover_vllm.benchmarks", "cover_vllm.entrypoints.server"]),
-    ("command line", ["cover_vllm.entrypoints.cli", "cover_vllm.entrypoints.cli_types",
+    ("command line", ["cover_vllm.entrypoints.__init__", "cover_vllm.entrypoints.llm",
+                      "cover_vllm.entrypoints.cli", "cover_vllm.entrypoints.cli_types",
                       "cover_vllm.entrypoints.engine_flags", "cover_vllm.entrypoints.serve_cli",
                       "cover_vllm.__main__"]),
 ]
@@ -116,6 +116,29 @@ def test_no_import_loop():
         if start not in state:
             loop = walk(start, [])
             assert loop is None, "import loop: " + " -> ".join(loop[loop.index(loop[-1]):])
+
+
+def _package(module: str) -> str:
+    """The first-level package or top-level module a module belongs to ("benchmarks",
+    "eval", ...; the package's own __init__ is "__init__")."""
+    return module.split(".")[1]
+
+
+def test_packages_import_one_way():
+    """Between first-level packages the arrows never run both ways (e.g. entrypoints ->
+    benchmarks -> entrypoints, or worker -> distributed -> worker), TYPE_CHECKING included."""
+    modules = _modules()
+    arrows: set[tuple[str, str]] = set()
+    for name, path in modules.items():
+        for target in _imports(path, modules, top_level_only=False):
+            arrows.add((_package(name), _package(target)))
+    for name, path in modules.items():          # TYPE_CHECKING imports count here too
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if len(words) > 2 and words[0] == "from" and words[1].startswith("cover_vllm."):
+                arrows.add((_package(name), _package(words[1])))
+    both = sorted(f"{a} <-> {b}" for a, b in arrows if (b, a) in arrows and a < b)
+    assert not both, "\n".join(both)
 
 
 def test_the_checks_catch_what_they_should(tmp_path):

@@ -20,7 +20,7 @@ import time
 from cover_vllm.benchmarks.machine import pin_threads
 from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.engine.observer import PHASES, StepObserver, StepTimes
-from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.strategies import BlockState, make_params, strategy_class
 

@@ -21,7 +21,7 @@ import torch
 
 from cover_vllm.benchmarks.machine import dtype_name, forward_weight_bytes, machine_info
 from cover_vllm.engine.observer import PHASES
-from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.loader import resolve_dtype
 from cover_vllm.sampling_params import SamplingParams

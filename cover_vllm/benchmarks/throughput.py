@@ -24,7 +24,7 @@ import torch
 from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
                                            forward_weight_bytes, machine_info, mfu_bound,
                                            pin_threads, step_flops)
-from cover_vllm.entrypoints.llm import LLM
+from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.loader import resolve_dtype

@@ -48,7 +48,7 @@ from cover_vllm.models.layers import fuse_projections
 from cover_vllm.models.safetensors_io import Slice
 
 if TYPE_CHECKING:
-    from cover_vllm.worker.model_runner import ModelRunnerOutput
+    from cover_vllm.step_plan import ModelRunnerOutput
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
-from cover_vllm.worker.model_runner import ModelRunnerOutput
+from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.worker import Worker
 
 STARTUP_TIMEOUT_S = 600.0     # loading a large checkpoint on every rank can take minutes

@@ -14,21 +14,10 @@ import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
 from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
+from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
-
-
-@dataclass
-class ModelRunnerOutput:
-    logits: list[torch.Tensor]    # per work item: [view_len, V] float32, row i predicts view pos i
-    drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
-    attn_in: list[torch.Tensor | None] | None = None   # per item [view_len]
-    prepare_s: float = 0.0        # seconds spent laying out the batch before the model ran
-    extra_logits: list[torch.Tensor | None] | None = None   # per item [E, V] (items with extras)
-    cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
-                                    # rows' attention on keys outside the view (None: no such row)
-    column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key
 
 
 @dataclass

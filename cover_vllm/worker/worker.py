@@ -18,7 +18,8 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
 from cover_vllm.worker.memory import peak_rss_bytes
-from cover_vllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from cover_vllm.step_plan import ModelRunnerOutput
+from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
 
 if TYPE_CHECKING:

@@ -1,0 +1,132 @@
+"""LLM: the offline entry point (`LLM(model=...).generate(prompts, SamplingParams(...))`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from cover_vllm.config import EngineConfig
+from cover_vllm.engine.engine import Engine
+from cover_vllm.outputs import RequestOutput
+from cover_vllm.sampling_params import SamplingParams
+
+PromptType = str | dict | list
+
+
+class LLM:
+    """A diffusion LM with an engine: continuous batching over a paged KV cache.
+
+    model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
+    options: any EngineConfig field (cover_vllm/config.py, where each one is documented), e.g.
+    decoding="cover" (default strategy; per request in SamplingParams.decoding),
+    kv_cache="dual" ("none" is exact), dtype="auto", seed=0, tensor_parallel_size=1,
+    max_num_seqs=64, kv_cache_memory_bytes=None (sized from memory_utilization after the
+    weights), load_format="auto", page_size=16, cache_refresh="block". An unknown keyword
+    raises TypeError naming the valid ones.
+    """
+
+    def __init__(self, model: str, **options: Any):
+        config = EngineConfig.from_options(model, **options)
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses when given no SamplingParams: the defaults, with
+        max_tokens from the checkpoint's generation_config.json (`max_new_tokens`) when it has
+        one (cover-tiny: 32, the length it was trained on)."""
+        if self.engine.default_max_tokens is None:
+            return SamplingParams()
+        return SamplingParams(max_tokens=self.engine.default_max_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the automatic prefix cache: later requests compute every prompt block again
+        (as vLLM's `LLM.reset_prefix_cache`; benchmarks call it between timed runs)."""
+        self.engine.pool.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also run on deletion."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:       # interpreter teardown: best effort
+            pass
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. Every request
+        is validated before any is queued, so one bad prompt raises and queues nothing.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty")
+        params = (sampling_params if sampling_params is not None
+                  else self.get_default_sampling_params())
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"req-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        from cover_vllm.tokenizer import apply_chat_template
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
