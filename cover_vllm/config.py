@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields, replace
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
+from cover_vllm.vllm_args import check_vllm_args
 
 KV_CACHE_MODES = ("none", "prefix", "dual")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
+DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
 def option(default, help: str, *, kind: str = "str", choices: tuple | None = None,
@@ -26,7 +29,14 @@ def option(default, help: str, *, kind: str = "str", choices: tuple | None = Non
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine option, defined once (cover_vllm/entrypoints/engine_flags.py turns them
-    into command-line flags; LLM(**kwargs) checks its keywords against them)."""
+    into command-line flags; LLM(**kwargs) checks its keywords against them).
+
+    vLLM's common arguments are fields under vLLM's names and meanings: `max_model_len`,
+    `gpu_memory_utilization` (one fraction with `memory_utilization`: see `memory_fraction`),
+    `trust_remote_code` and `enforce_eager` (accepted; they change nothing here, as their help
+    says), `tokenizer`, `revision`, `tokenizer_revision`, `download_dir`, `seed`. vLLM's
+    arguments with no meaning here are refused by name with the reason (vllm_args.py).
+    """
 
     model: str
     decoding: str = option("cover", "default decoding strategy (per request: decoding)")
@@ -49,8 +59,14 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = option(
         None, "explicit KV pool size (default: sized from --memory-utilization)",
         kind="positive_int")
-    memory_utilization: float = option(
-        0.9, "share of host (CPU) or device memory for weights + KV cache", kind="float")
+    memory_utilization: float | None = option(
+        None, "share of memory for weights + KV cache: of the host's on CPU (all ranks "
+        "together), of each device's on GPU (default 0.9; gpu_memory_utilization is the same "
+        "fraction under vLLM's name)", kind="float")
+    gpu_memory_utilization: float | None = option(
+        None, "vLLM's name for memory_utilization: the device-memory fraction on GPU, the "
+        "host-memory fraction on CPU; give one of the two (both only with the same value)",
+        kind="float")
     load_format: str = option("auto", "dummy: random weights (the only choice for weightless "
                               "built-in shapes)", choices=LOAD_FORMATS)
     page_size: int = option(16, "tokens per KV page", kind="positive_int")
@@ -70,6 +86,29 @@ class EngineConfig:
     distributed_timeout_s: float = option(
         60.0, "tensor parallelism: max wait on a collective or a worker's reply (seconds)",
         kind="positive_float")
+    max_model_len: int | None = option(
+        None, "longest canvas (prompt + max_tokens, rounded up to a whole block on "
+        "block-causal models) a request may use; at most the model's own (config.json "
+        "max_sequence_length / max_position_embeddings), which is the default; also sizes the "
+        "default KV pool", kind="positive_int")
+    trust_remote_code: bool = option(
+        False, "accepted for vLLM compatibility: the engine implements every architecture "
+        "itself and never runs code shipped with a checkpoint, so True and False load the "
+        "same", kind="bool")
+    enforce_eager: bool = option(
+        False, "accepted for vLLM compatibility: the model always runs eagerly (no CUDA graphs, "
+        "no torch.compile), so this changes nothing", kind="bool")
+    tokenizer: str | None = option(
+        None, "tokenizer from another local directory or Hugging Face repo id (default: the "
+        "model's own files)")
+    revision: str | None = option(
+        None, "branch, tag or commit of a Hugging Face repo id model (default: main)")
+    tokenizer_revision: str | None = option(
+        None, "branch, tag or commit of the tokenizer's repo (alone: the model repo's "
+        "tokenizer at that revision)")
+    download_dir: str | None = option(
+        None, "where hub repo ids are downloaded (default: the Hugging Face cache, HF_HUB_CACHE "
+        "or HF_HOME/hub)")
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
@@ -87,10 +126,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be > 0 (or None for the default)")
-        if isinstance(self.memory_utilization, bool) or not isinstance(
-                self.memory_utilization, (int, float)) or not 0 < self.memory_utilization <= 1:
-            raise ValueError(f"memory_utilization must be a fraction in (0, 1], got "
-                             f"{self.memory_utilization!r}")
+        self._check_memory_fraction()
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or not
+                                               isinstance(self.max_model_len, int)
+                                               or self.max_model_len <= 0):
+            raise ValueError(f"max_model_len must be a positive int (or None: the model's), "
+                             f"got {self.max_model_len!r}")
+        for name in ("trust_remote_code", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("tokenizer", "revision", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         if self.cache_refresh_interval is not None:
             if isinstance(self.cache_refresh_interval, bool) or not isinstance(
                     self.cache_refresh_interval, int) or self.cache_refresh_interval <= 0:
@@ -111,6 +159,35 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise TypeError("seed must be an int")
 
+    def _check_memory_fraction(self) -> None:
+        for name in ("memory_utilization", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not 0 < value <= 1):
+                raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        if None not in (self.memory_utilization, self.gpu_memory_utilization) and \
+                self.memory_utilization != self.gpu_memory_utilization:
+            raise ValueError(
+                f"memory_utilization={self.memory_utilization} and gpu_memory_utilization="
+                f"{self.gpu_memory_utilization} disagree: they are one fraction under two names "
+                "(ours and vLLM's); give one of them")
+
+    @property
+    def memory_fraction(self) -> float:
+        """The share of memory for weights + KV cache: memory_utilization or its vLLM name
+        gpu_memory_utilization (the same value when both are given), else 0.9."""
+        for value in (self.memory_utilization, self.gpu_memory_utilization):
+            if value is not None:
+                return float(value)
+        return DEFAULT_MEMORY_UTILIZATION
+
+    @property
+    def memory_option(self) -> str:
+        """`name=value` of the memory fraction as the user gave it (for error messages)."""
+        name = ("gpu_memory_utilization" if self.memory_utilization is None
+                and self.gpu_memory_utilization is not None else "memory_utilization")
+        return f"{name}={self.memory_fraction}"
+
     @property
     def refresh_policy(self) -> CacheRefresh:
         """The engine-wide refresh policy (the deprecated interval alias resolved)."""
@@ -130,6 +207,7 @@ class EngineConfig:
         """The config for `model` with keyword options (LLM(...), the server), an unknown
         keyword named with the valid ones."""
         valid = {f.name for f in fields(cls)} - {"model"}
+        options = check_vllm_args(options)     # vLLM's own arguments: refused with the reason
         unknown = sorted(set(options) - valid)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(valid)}")

@@ -18,13 +18,18 @@ PromptType = str | dict | list
 class LLM:
     """A diffusion LM with an engine: continuous batching over a paged KV cache.
 
-    model: built-in name ("cover-tiny", "llada-50m", ...) or a local HF-format directory.
+    model: built-in name ("cover-tiny", "llada-50m", ...), a local HF-format directory, or a
+    Hugging Face repo id ("org/name": fetched once into the Hugging Face cache, honouring
+    revision, download_dir, HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; models/hub.py).
     options: any EngineConfig field (cover_vllm/config.py, where each one is documented), e.g.
     decoding="cover" (default strategy; per request in SamplingParams.decoding),
     kv_cache="dual" ("none" is exact), dtype="auto", seed=0, tensor_parallel_size=1,
     max_num_seqs=64, kv_cache_memory_bytes=None (sized from memory_utilization after the
-    weights), load_format="auto", page_size=16, cache_refresh="block". An unknown keyword
-    raises TypeError naming the valid ones.
+    weights), load_format="auto", page_size=16, cache_refresh="block", and vLLM's common
+    arguments (max_model_len, gpu_memory_utilization, trust_remote_code, enforce_eager,
+    tokenizer, revision, tokenizer_revision, download_dir). A vLLM argument with no meaning
+    here (swap_space, enable_lora, ...) raises ValueError with the reason (vllm_args.py); any
+    other unknown keyword raises TypeError naming the valid ones.
     """
 
     def __init__(self, model: str, **options: Any):
@@ -34,6 +39,12 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (as vLLM's `LLM.get_tokenizer`): `encode(text)` /
+        `decode(ids)` / `apply_chat_template(...)`; None for a checkpoint without tokenizer
+        files (prompts are token ids then)."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -1,7 +1,8 @@
 """Tokenizer loading from a local checkpoint directory and chat-template encoding.
 
 Owns only text <-> ids at the edges of the engine; model facts (mask, EOS ids) live in ModelSpec.
-Nothing is downloaded: `transformers` is asked for local files only.
+Nothing is downloaded here (a hub repo id was fetched by models/hub.py before): `transformers`
+is asked for local files only.
 
 A checkpoint whose tokenizer is a plain `PreTrainedTokenizerFast` over tokenizer.json (no custom
 class, no decode clean-up; cover-tiny, and what examples/train_cover_tiny.py writes) loads as a

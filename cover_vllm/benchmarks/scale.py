@@ -36,7 +36,7 @@ class ScaleSpec:
     quantization: str | None = None        # weight-only int8 / int4 (EngineConfig)
     tensor_parallel_size: int = 1
     kv_cache_memory_bytes: int | None = None
-    memory_utilization: float = 0.9
+    memory_utilization: float | None = None   # None: the engine default (0.9)
     threads: int | None = None
     input_len: int = 16
     output_len: int = 32

@@ -6,6 +6,7 @@ applies its decision and completes or advances its block) -> outputs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
 from cover_vllm.flops import FlopModel, item_shape
 from cover_vllm.logger import init_logger
-from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.builtin import resolve_engine_model
 from cover_vllm.models.loader import build_model, resolve_dtype
 from cover_vllm.models.quantization import (check_quantization, parse_quantization,
                                             quantize_model)
@@ -59,22 +60,34 @@ def _prefix_caching(config: EngineConfig, spec: ModelSpec) -> bool:
     return block_causal if config.enable_prefix_caching is None else config.enable_prefix_caching
 
 
-def _load_tokenizer(path):
+def _load_tokenizer(path, required: bool = False):
+    """The tokenizer in `path`, or None when it has none (an explicit `tokenizer=` must have
+    one: FileNotFoundError listing what the directory holds)."""
     if path is None:
         return None
     from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
 
-    return load_tokenizer(path) if has_tokenizer(path) else None
+    return load_tokenizer(path) if required or has_tokenizer(path) else None
+
+
+@functools.cache
+def _log_trust_remote_code(family: str) -> None:
+    """Said once per process: vLLM users pass trust_remote_code=True out of habit."""
+    logger.info("trust_remote_code=True accepted: cover_vllm implements the %s architecture "
+                "itself and never runs code shipped with a checkpoint", family)
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        resolved = resolve_model(config.model)
+        resolved = resolve_engine_model(config)     # a hub id is fetched here, once
         if resolved.path is None and config.load_format != "dummy":
             raise ValueError(f"model={resolved.name!r} is a built-in shape without weights; pass "
                              "load_format='dummy' (--load-format dummy) for random weights, or "
                              "a checkpoint directory")
-        self.spec = ModelSpec.from_config(resolved.config)
+        self.spec = ModelSpec.from_config(resolved.config).with_max_model_len(
+            config.max_model_len)
+        if config.trust_remote_code:
+            _log_trust_remote_code(self.spec.family)
         self.stage = StrategyStage(self.spec, config.decoding)   # fails early on a bad default
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
@@ -86,7 +99,8 @@ class Engine:
         self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
         # the resolved KV budget travels to every rank (the same page count everywhere)
         self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
-        self.tokenizer = _load_tokenizer(resolved.path)
+        self.tokenizer_dir = resolved.tokenizer_dir
+        self.tokenizer = _load_tokenizer(self.tokenizer_dir, required=config.tokenizer is not None)
         if self.tokenizer is None:
             logger.warning("model %r has no tokenizer: prompts must be token ids and outputs "
                            "carry token ids only (text is empty)", resolved.name)
@@ -128,9 +142,10 @@ class Engine:
             block = params.block_length or kind.block_size
             total = -(-total // block) * block
         if total > self.spec.max_model_len:
+            whose = "the model's" if self.config.max_model_len is None else "the engine's"
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"needs a {total}-token canvas, beyond the model's max length "
-                             f"{self.spec.max_model_len}")
+                             f"needs a {total}-token canvas, beyond {whose} max length "
+                             f"max_model_len={self.spec.max_model_len}")
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)

@@ -9,7 +9,8 @@ import sys
 from cover_vllm.config import KV_CACHE_MODES
 from cover_vllm.entrypoints.cli_types import (csv, dtypes, ints, json_obj, positive_int,
                                               positive_ints)
-from cover_vllm.entrypoints.engine_flags import add_engine_flags, engine_kwargs
+from cover_vllm.entrypoints.engine_flags import (MODEL_HELP, add_engine_flags,
+                                                  add_vllm_only_flags, engine_kwargs)
 
 
 def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -172,7 +173,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
 
 
 def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
-    p.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
+    p.add_argument("--model", default="cover-tiny", help=MODEL_HELP)
     p.add_argument("--decoding", type=csv, default=("low_confidence",),
                    help="strategies, comma-separated")
     p.add_argument("--decoding-params", type=json_obj, default=None,
@@ -223,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate once from a prompt")
-    g.add_argument("model", help="built-in name (cover-tiny, ...) or model directory")
+    g.add_argument("model", help=MODEL_HELP)
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-token-ids", type=ints, default=None,
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=positive_int, default=None,
                    help="denoising steps of fixed-schedule strategies (default: theirs)")
     g.add_argument("--temperature", type=float, default=0.0)
+    add_vllm_only_flags(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the "
@@ -255,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_make_checkpoint)
 
     e = sub.add_parser("eval", help="accuracy/NFE of strategies on verifiable tasks")
-    e.add_argument("--model", default="cover-tiny", help="built-in name or model directory")
+    e.add_argument("--model", default="cover-tiny", help=MODEL_HELP)
     e.add_argument("--task", type=csv, default=("all",), help="task names or 'all'")
     e.add_argument("--decoding", type=csv, default=("low_confidence", "threshold"),
                    help="strategies, comma-separated")
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.set_defaults(func=cmd_bench_latency)
     sc = b.add_parser("scale", help="load seconds, peak memory, s/step and tok/s of a "
                       "full-size model (run in a fresh process)")
-    sc.add_argument("--model", required=True, help="checkpoint directory or built-in shape")
+    sc.add_argument("--model", required=True, help=MODEL_HELP)
     add_engine_flags(sc, ["dtype", "quantization", "kv_cache_memory_bytes",
                           "memory_utilization", "tensor_parallel_size", "num_threads", "seed"])
     sc.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens")

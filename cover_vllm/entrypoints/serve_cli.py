@@ -7,7 +7,8 @@ import json
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.entrypoints.cli_types import json_obj, positive_int, positive_ints
-from cover_vllm.entrypoints.engine_flags import add_engine_flags, engine_kwargs
+from cover_vllm.entrypoints.engine_flags import (MODEL_HELP, add_engine_flags,
+                                                  add_vllm_only_flags, engine_kwargs)
 
 
 def serve_args(args: argparse.Namespace):
@@ -46,7 +47,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 def add_serve_parsers(sub, bench) -> None:
     """`serve` under the top-level subparsers `sub`, `serve` under `bench`'s subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    s.add_argument("model", help="built-in name or model directory")
+    s.add_argument("model", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
@@ -57,6 +58,7 @@ def add_serve_parsers(sub, bench) -> None:
     s.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (default: RAY_ADDRESS, else start a small "
                         "local one); used by --data-parallel-size > 1 and the ray backend")
+    add_vllm_only_flags(s)
     s.set_defaults(func=cmd_serve)
 
     v = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT per level")

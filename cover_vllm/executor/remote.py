@@ -38,8 +38,8 @@ class ShardWorker:
     def __init__(self, config: EngineConfig, rank: int, world_size: int):
         from cover_vllm.worker.worker import Worker
 
-        resolved = resolve_model(config.model)
-        spec = ModelSpec.from_config(resolved.config)
+        resolved = resolve_model(config.model)       # a local directory (local_config)
+        spec = ModelSpec.from_config(resolved.config).with_max_model_len(config.max_model_len)
         self.rank = rank
         self.comm = GroupComm(rank, world_size, config.device, config.distributed_timeout_s)
         self.worker = Worker(config, resolved, spec, TensorParallel(rank, world_size, self.comm))

@@ -21,7 +21,7 @@ from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from cover_vllm.executor.base import ExecutorError, RemoteRankError, RemoteRanks, WorkerDiedError
 from cover_vllm.executor.step_delta import StepEncoder
-from cover_vllm.models.builtin import ResolvedModel
+from cover_vllm.models.builtin import ResolvedModel, local_config
 from cover_vllm.models.loader import build_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
@@ -45,7 +45,9 @@ class TPExecutor:
         self.comm = GroupComm(0, world, config.device, self.timeout_s)
         self._finalizer = weakref.finalize(self, _stop, ranks, self.comm)   # also at exit
         try:
-            ranks.start(config, world)          # ranks load their shards while the driver does
+            # ranks load their shards while the driver does, from the directories the driver
+            # resolved (a hub id was downloaded once, here)
+            ranks.start(local_config(config, resolved), world)
             self.driver = Worker(config, resolved, spec, TensorParallel(0, world, self.comm))
             infos = self._startup(ranks.call("info"), "start")
             ranks.pids = [info["pid"] for info in infos]

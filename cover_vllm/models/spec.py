@@ -8,7 +8,7 @@ entry in the registry (models/registry.py); nothing here knows a family by name.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,19 @@ class ModelSpec:
             attention=attention,
             hf_config=dict(config),
         )
+
+    def with_max_model_len(self, max_model_len: int | None) -> "ModelSpec":
+        """This spec with the engine's `max_model_len` cap (None: the model's own length); a
+        cap beyond the model's own is a ValueError naming both."""
+        if max_model_len is None or max_model_len == self.max_model_len:
+            return self
+        if max_model_len > self.max_model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum length "
+                f"{self.max_model_len} (config.json max_sequence_length / "
+                f"max_position_embeddings); give at most {self.max_model_len}, or leave it "
+                "unset")
+        return replace(self, max_model_len=max_model_len)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelSpec":

@@ -4,7 +4,8 @@ allocated; and the process memory readings (/proc VmHWM) benchmarks and tests re
 On CPU every tensor-parallel rank shares the host's memory, so the weights of all ranks (the
 sharded parts once, the replicated parts once per rank) plus the whole KV pool must fit in
 `memory_utilization` x MemTotal. On a GPU each rank has its own device: its shard plus its
-1/N of the pool must fit in `memory_utilization` x the device's memory.
+1/N of the pool must fit in `memory_utilization` x the device's memory. (`gpu_memory_utilization`,
+vLLM's name, is the same fraction: EngineConfig.memory_fraction.)
 
 The KV pool is the user's `kv_cache_memory_bytes` when given; otherwise the old default (room
 for `max_num_seqs` canvases of the model's max length, capped at 2 GiB), lowered to what the
@@ -102,8 +103,8 @@ def _capacity(config: EngineConfig) -> tuple[int, bool]:
     """(usable bytes, shared by all ranks?) for the configured device."""
     if str(config.device).startswith("cuda"):
         total = torch.cuda.get_device_properties(0).total_memory
-        return int(config.memory_utilization * total), False
-    return int(config.memory_utilization * host_memory_bytes()), True
+        return int(config.memory_fraction * total), False
+    return int(config.memory_fraction * host_memory_bytes()), True
 
 
 def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
@@ -125,8 +126,8 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     if weights + canvas_bytes // share > capacity:
         raise ValueError(
             f"{spec.family} weights need {weights / GiB:.2f} GiB and one {canvas}-token canvas "
-            f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but memory_utilization="
-            f"{config.memory_utilization} of the {where} allows {capacity / GiB:.2f} GiB; use "
+            f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
+            f"of the {where} allows {capacity / GiB:.2f} GiB; use "
             + ("a smaller dtype (bfloat16), " if dtype == torch.float32 else "")
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
@@ -134,7 +135,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
         if weights + budget // share > capacity:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} ({budget / GiB:.2f} GiB) plus the weights "
-                f"({weights / GiB:.2f} GiB) exceed memory_utilization={config.memory_utilization}"
+                f"({weights / GiB:.2f} GiB) exceed {config.memory_option}"
                 f" of the {where} ({capacity / GiB:.2f} GiB); at most {left * share} bytes fit")
     else:
         budget = min(config.kv_budget_bytes(per_token, spec.max_model_len), left * share)

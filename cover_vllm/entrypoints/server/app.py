@@ -31,7 +31,7 @@ from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestE
 from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
-from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.builtin import local_config, resolve_engine_model
 from cover_vllm.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -176,18 +176,20 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
                             "every replica builds its own engine")
         from cover_vllm.entrypoints.server.dp_router import DPRouter
 
-        resolved = resolve_model(config.model)
-        max_model_len = ModelSpec.from_config(resolved.config).max_model_len
+        resolved = resolve_engine_model(config)      # a hub id is downloaded once, here
+        max_model_len = ModelSpec.from_config(resolved.config).with_max_model_len(
+            config.max_model_len).max_model_len
         default_max_tokens = resolved.max_new_tokens()
-        tokenizer = _server_tokenizer(config.model)   # before the replicas: fail early
-        router = DPRouter(config, data_parallel_size, error_cls=EngineRequestError,
-                          metrics=stats)
+        tokenizer = _server_tokenizer(resolved.tokenizer_dir)   # before the replicas: fail early
+        router = DPRouter(local_config(config, resolved), data_parallel_size,
+                          error_cls=EngineRequestError, metrics=stats)
         stats.watch_replicas(router.replica_counts)
         loop: EngineClient = router
     else:
         if isinstance(engine, EngineConfig):
             engine = Engine(engine)
-        max_model_len, tokenizer = engine.spec.max_model_len, _server_tokenizer(config.model)
+        max_model_len, tokenizer = engine.spec.max_model_len, _server_tokenizer(
+            engine.tokenizer_dir)
         default_max_tokens = engine.default_max_tokens
         loop = EngineLoop(engine, stats)
 
@@ -217,10 +219,10 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     return app
 
 
-def _server_tokenizer(model: str):
-    """The event-loop thread's own tokenizer (HF fast tokenizers are not safe to share across
-    threads, and a data-parallel server has no local engine), or None when the model has none."""
+def _server_tokenizer(path):
+    """The event-loop thread's own tokenizer from the engine's tokenizer directory (HF fast
+    tokenizers are not safe to share across threads, and a data-parallel server has no local
+    engine), or None when there is none."""
     from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
 
-    path = resolve_model(model).path
     return load_tokenizer(path) if path is not None and has_tokenizer(path) else None
