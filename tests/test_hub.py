@@ -134,6 +134,9 @@ def test_ranks_and_replicas_get_the_local_snapshot(hub):
     assert len(hub.requests) == before                  # nothing asked of the hub again
     assert local_config(EngineConfig("cover-tiny"), resolve_model("cover-tiny")).model \
         == "cover-tiny"
+    # tokenizer_revision alone: the model repo's tokenizer at that revision (as in vLLM)
+    split = resolve_engine_model(EngineConfig(REPO, tokenizer_revision="v2"))
+    assert (split.path.name, split.tokenizer_dir.name) == (hub.sha(REPO), hub.sha(REPO, "v2"))
 
 
 @pytest.mark.parametrize("name,repo", [("org/name", True), ("GSAI-ML/LLaDA-8B-Instruct", True),
