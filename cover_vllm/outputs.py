@@ -1,4 +1,5 @@
-"""What `LLM.generate` returns: RequestOutput, CompletionOutput and per-request RequestMetrics."""
+"""What `LLM.generate` returns: RequestOutput, CompletionOutput (with per-token Logprob dicts)
+and per-request RequestMetrics."""
 
 from __future__ import annotations
 
@@ -31,16 +32,40 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at the step that committed a generated token (vLLM's
+    `vllm.sequence.Logprob`): `logprob` = log_softmax of the model's logits row there ([MASK]
+    excluded, before temperature / top-k / top-p), `rank` its 1-based rank in the vocabulary
+    (1 + the number of tokens at least as likely, itself excluded), `decoded_token` its text
+    (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
+    """One generated sequence of a request (`index` among its `SamplingParams.n`)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None    # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+                                           # (None: EOS, length, or still running)
+    # with SamplingParams.logprobs = k: per returned token {token id: Logprob} holding the
+    # chosen token and the k most likely ones (docs/architecture.md "Logprobs")
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None   # sum of the chosen tokens' logprobs
 
 
 @dataclass
 class RequestOutput:
+    """A request's output: `outputs` holds its n CompletionOutputs in index order (a partial
+    output, finished=False, those that have FINAL text so far). With n > 1 `metrics` are the
+    children's summed counters (latency: the slowest; tokens_per_step: over the sums)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

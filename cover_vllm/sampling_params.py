@@ -8,7 +8,7 @@ from typing import Any
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
 
-_INT_FIELDS = ("max_tokens", "block_length", "steps", "top_k", "seed")
+MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
 
 
 def _check_int(name: str, value: Any, allow_none: bool) -> None:
@@ -38,6 +38,15 @@ class SamplingParams:
     `decoding_params` (a dict or the strategy's params dataclass) its knobs; `kv_cache` overrides
     the engine's cache mode for this request ("none" | "prefix" | "dual") and `cache_refresh` its
     refresh policy ("block" | "interval:N" | "adaptive"; cover_vllm/cache_refresh.py).
+
+    `n` outputs are generated per prompt, each on its own canvas (batched together); under a
+    `seed` output i draws from seed + i (vLLM's rule), so output 0 equals the n=1 output.
+    `logprobs` = k (0..MAX_LOGPROBS; None: off) returns, for every generated token, a dict
+    {token id: Logprob} holding the chosen token and the k most likely tokens of the model's
+    distribution at the step that committed it: log_softmax of that position's logits row in
+    that forward, [MASK] excluded, before temperature / top-k / top-p. A token that a check
+    later replaced, or remasked and committed again, reports its final commit. `stop_reason` in
+    the output is the stop string or stop token id that ended it (None for EOS and length).
     """
 
     max_tokens: int = 64
@@ -54,13 +63,22 @@ class SamplingParams:
     decoding_params: Any = None
     kv_cache: str | None = None
     cache_refresh: str | CacheRefresh | None = None
+    n: int = 1
+    logprobs: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, allow_none=False)
-        for name in ("block_length", "steps", "seed"):
+        for name in ("block_length", "steps", "seed", "logprobs"):
             _check_int(name, getattr(self, name), allow_none=True)
         _check_int("top_k", self.top_k, allow_none=False)
+        _check_int("n", self.n, allow_none=False)
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n (outputs per prompt) must be an int >= 1, "
+                             f"got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs must be None (off) or an int from 0 "
+                             f"(the chosen token only) to {MAX_LOGPROBS}, got {self.logprobs}")
         if self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
         if self.block_length is not None and self.block_length <= 0:

@@ -1,5 +1,6 @@
 """StepPlan, ModelRunnerOutput and RowDecision: what a request's strategy asks of its next
-forward, what the forward returns, and what the strategy decided after it. A plan may carry more
+forward, what the forward returns, and what the strategy decided after it (with the committed
+tokens' log-probabilities, TokenLogprobs, when the request asked for them). A plan may carry more
 than the window: extra query rows (ExtraRows) and input-embedding edits (EmbedEdit).
 
 A neutral module: the strategies build these, the engine's strategy stage makes the plans, the
@@ -64,6 +65,17 @@ class StepPlan:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of the tokens one decision writes (commit or replace), from the
+    forward that decided them: log_softmax of each position's logits row, [MASK] excluded."""
+
+    positions: torch.Tensor      # [N] long: view indices written (commit | replace)
+    token_ids: torch.Tensor      # [N, 1 + k] long: column 0 the written token, then the top k
+    logprobs: torch.Tensor       # [N, 1 + k] float32: their log-probabilities
+    ranks: torch.Tensor          # [N] long: the written token's 1-based rank in the vocabulary
+
+
+@dataclass
 class RowDecision:
     """One request's decision after a forward, view-relative ([view_len] tensors)."""
 
@@ -74,6 +86,8 @@ class RowDecision:
     keeps: int                        # verified tokens left unchanged
     verified: int                     # positions checked this step
     stop: bool = False                # end the request right after this step
+    logprobs: TokenLogprobs | None = None   # set after `decide` for requests with
+                                            # SamplingParams.logprobs (engine/logprobs.py)
 
 
 @dataclass

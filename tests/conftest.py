@@ -35,3 +35,11 @@ def ray_session():
     yield ray
     if started and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client for the module's `server` fixture (a started server)."""
+    from serve_helpers import openai_client
+
+    return openai_client(server)

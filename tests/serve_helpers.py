@@ -79,3 +79,11 @@ def start_server(model: str, api_key: str | None = None, **engine_kwargs):
 
     config = EngineConfig(model=model, **{"decoding": "low_confidence", **engine_kwargs})
     return ServerThread(Engine(config), model_name="test-model", api_key=api_key).start()
+
+
+def openai_client(server, timeout: float = 120):
+    """The official `openai` client for a started server (no retries: a failure shows)."""
+    import openai
+
+    return openai.OpenAI(api_key="unused", base_url=server.url + "/v1", max_retries=0,
+                         timeout=timeout)

@@ -32,12 +32,6 @@ def server(model):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(api_key="unused", base_url=server.url + "/v1", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
 def offline(model):
     llm = LLM(model, decoding="low_confidence")
     params = SamplingParams(max_tokens=24, temperature=0.0, block_length=8, kv_cache="dual")

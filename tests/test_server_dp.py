@@ -107,6 +107,24 @@ def test_dp2_server_spreads_requests_and_matches_offline(dp_server, offline, ray
 
 @pytest.mark.slow   # Ray actors / worker processes
 @pytest.mark.ray
+def test_dp2_server_n_and_logprobs_match_offline(dp_server, model):
+    """The replicas' engines fan n out themselves: the router passes n and logprobs through."""
+    resp = _client(dp_server).completions.create(
+        model="test-model", prompt=PROMPTS[:2], n=3, logprobs=2, max_tokens=MAX_TOKENS,
+        temperature=1.0, seed=5, extra_body=KNOBS)
+    with LLM(model, decoding="cover", num_threads=1) as llm:
+        params = SamplingParams(max_tokens=MAX_TOKENS, n=3, logprobs=2, temperature=1.0, seed=5,
+                                **KNOBS)
+        ref = [c for o in llm.generate(PROMPTS[:2], params, use_tqdm=False) for c in o.outputs]
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert [c.text for c in resp.choices] == [c.text for c in ref]
+    for choice, c in zip(resp.choices, ref):
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)], abs=1e-5)
+
+
+@pytest.mark.slow   # Ray actors / worker processes
+@pytest.mark.ray
 def test_dp_dead_replica_fails_its_requests_and_health_turns_unhealthy(dp_server, offline,
                                                                        ray_session):
     """Runs last on the module's server: it kills replica 1."""

@@ -1,9 +1,11 @@
-"""Runs the strategies of one step: one vectorised `decide` call per strategy instance."""
+"""Runs the strategies of one step: one vectorised `decide` call per strategy instance, then
+per request its decision row (with the written tokens' logprobs when it asked for them)."""
 
 from __future__ import annotations
 
 import torch
 
+from cover_vllm.engine.logprobs import attach_logprobs
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.step_plan import RowDecision
@@ -118,8 +120,12 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
         for row, (req, item) in enumerate(zip(reqs, items)):
             n = item.view_end - item.view_start
             pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
-            decisions[req.request_id] = RowDecision(
+            decision = RowDecision(
                 commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
                 replace=pick(d.replace), keeps=keeps[row], verified=verified[row],
                 stop=bool(stops[row]))
+            # last: whatever edits the decision above, logprobs describe the tokens it writes
+            if req.params.logprobs is not None:
+                attach_logprobs(decision, batch.logits[row, :n], req.params.logprobs)
+            decisions[req.request_id] = decision
     return decisions

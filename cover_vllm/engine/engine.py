@@ -16,6 +16,7 @@ from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
+from cover_vllm.engine.parallel_sampling import ParentRequest
 from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
@@ -102,8 +103,8 @@ class Engine:
         self.tokenizer_dir = resolved.tokenizer_dir
         self.tokenizer = _load_tokenizer(self.tokenizer_dir, required=config.tokenizer is not None)
         if self.tokenizer is None:
-            logger.warning("model %r has no tokenizer: prompts must be token ids and outputs "
-                           "carry token ids only (text is empty)", resolved.name)
+            logger.warning("model %r has no tokenizer: prompts must be token ids; outputs carry "
+                           "the generated token ids (token_ids) and empty text", resolved.name)
         self.executor = make_executor(config, resolved, self.spec)
         logger.info(self.memory.startup_line())
         self.pool = PagePool(self.executor.num_pages)
@@ -112,6 +113,8 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
         self.refresh_policy = config.refresh_policy
         self._requests: dict[str, Request] = {}
+        self._parents: dict[str, ParentRequest] = {}      # n > 1: parent id -> its children
+        self._parent_of: dict[str, ParentRequest] = {}    # child id -> its parent
         self._counter = itertools.count()
         self._observers: list[StepObserver] = []
         self._times: StepTimes | None = None
@@ -125,7 +128,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | dict | list[int],
                     params: SamplingParams) -> None:
-        if request_id in self._requests:
+        """Queue a request (with params.n > 1: n child requests, engine/parallel_sampling.py;
+        their outputs come back under `request_id`). Raises ValueError / TypeError for bad
+        input, having queued nothing."""
+        if request_id in self._requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -146,15 +152,39 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"needs a {total}-token canvas, beyond {whose} max length "
                              f"max_model_len={self.spec.max_model_len}")
+        if params.n == 1:
+            self._queue([self._request(request_id, text, ids, params, strategy)])
+            return
+        parent = ParentRequest(request_id, params)
+        taken = [c for c in parent.child_ids if c in self._requests or c in self._parents]
+        if taken:
+            raise ValueError(f"request_id {request_id!r}: its child id {taken[0]!r} is running")
+        self._queue([self._request(cid, text, ids, parent.child_params(i), strategy)
+                     for i, cid in enumerate(parent.child_ids)])
+        self._parents[request_id] = parent
+        self._parent_of.update(dict.fromkeys(parent.child_ids, parent))
+
+    def _request(self, request_id: str, text: str | None, ids: list[int],
+                 params: SamplingParams, strategy) -> Request:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = torch.Generator().manual_seed(seed)
         refresh = (self.refresh_policy if params.cache_refresh is None
                    else parse_cache_refresh(params.cache_refresh))
-        req = Request(request_id, text, ids, params, strategy, generator,
-                      params.kv_cache or self.config.kv_cache, refresh)
-        self.scheduler.add_request(req)
-        self._requests[request_id] = req
+        return Request(request_id, text, ids, params, strategy, generator,
+                       params.kv_cache or self.config.kv_cache, refresh)
+
+    def _queue(self, requests: list[Request]) -> None:
+        """Hand requests to the scheduler: all of them, or (it refused one) none."""
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                self._requests[req.request_id] = req
+        except Exception:
+            for req in requests:
+                if self._requests.pop(req.request_id, None) is not None:
+                    self.scheduler.abort_request(req.request_id)
+            raise
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -177,15 +207,32 @@ class Engine:
         return None, list(prompt)
 
     def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort_request(request_id) is not None:
-            self._requests.pop(request_id, None)
+        """Drop a request (a parent, or one of its children: all of them); unknown ids are
+        ignored."""
+        parent = self._parents.get(self._user_id(request_id))
+        for rid in parent.child_ids if parent is not None else [request_id]:
+            if self.scheduler.abort_request(rid) is not None:
+                self._requests.pop(rid, None)
+        if parent is not None:
+            self._forget(parent)
+
+    def _forget(self, parent: ParentRequest) -> None:
+        del self._parents[parent.request_id]
+        for rid in parent.child_ids:
+            del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
     def running_request_ids(self) -> list[str]:
-        """The requests in the batch the next step runs (admitted, not finished)."""
-        return [r.request_id for r in self.scheduler.running]
+        """The requests (as added: a parent, not its children) in the batch the next step runs
+        (admitted, not finished)."""
+        ids = [self._user_id(r.request_id) for r in self.scheduler.running]
+        return list(dict.fromkeys(ids))
+
+    def _user_id(self, request_id: str) -> str:
+        parent = self._parent_of.get(request_id)
+        return request_id if parent is None else parent.request_id
 
     def load(self) -> EngineLoad:
         return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
@@ -233,7 +280,7 @@ class Engine:
         """Each request applies its decision; a request whose block became FINAL yields an
         output (finished, or a partial one whose text can never change: streaming sends only
         FINAL text)."""
-        outputs = []
+        outputs, parents = [], {}
         for item in out.items:
             req = self._requests[item.request_id]
             event = req.finish_step(item, decisions[item.request_id], self.outputs.check_stop)
@@ -243,7 +290,16 @@ class Engine:
             if event != "block":
                 self.scheduler.finish(req, event)
                 del self._requests[req.request_id]
-            outputs.append(self.outputs.make_output(req))
+            parent = self._parent_of.get(req.request_id)
+            if parent is None:
+                outputs.append(self.outputs.make_output(req))
+                continue
+            parent.add(self.outputs.make_output(req, parent.index[req.request_id]))
+            parents[parent.request_id] = parent
+        for parent in parents.values():             # one output per parent and step
+            outputs.append(parent.output())
+            if parent.finished:
+                self._forget(parent)
         return outputs
 
     # ---- observers -------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Stop checks on FINAL tokens and RequestOutput assembly (detokenisation lives here only)."""
+"""Stop checks on FINAL tokens and RequestOutput assembly (detokenisation lives here only, with
+the per-token logprob dicts of engine/logprobs.py)."""
 
 from __future__ import annotations
 
+from cover_vllm.engine.logprobs import LogprobBuilder
 from cover_vllm.outputs import CompletionOutput, RequestOutput
 from cover_vllm.scheduler.request import Request
 
@@ -9,15 +11,17 @@ from cover_vllm.scheduler.request import Request
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
         self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
+        self.logprobs = LogprobBuilder(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check_stop(self, req: Request) -> tuple[str | None, list[int], str]:
+    def check_stop(self, req: Request) -> tuple[str | None, list[int], str, int | str | None]:
         """After a block is FINAL: ('stop' if an EOS/stop token or stop string appeared, else
-        None; the final token ids and text up to the stop point). A Request's stop rule."""
+        None; the final token ids and text up to the stop point; vLLM's stop_reason: the stop
+        string or stop token id that matched, None for EOS). A Request's stop rule."""
         final = req.canvas[req.prompt_len:min(req.final_end, req.gen_end)].tolist()
         eos = set() if req.params.ignore_eos else self.eos
         stop_ids = set(req.params.stop_token_ids) | eos
@@ -25,15 +29,17 @@ class OutputProcessor:
         ids = final if cut is None else final[: cut + 1]
         text = self.decode(ids if cut is None else ids[:-1])
         reason = None if cut is None else "stop"
+        # vLLM checks EOS before stop_token_ids: an EOS that is also listed reports None
+        stop_reason = None if cut is None or final[cut] in eos else final[cut]
         if reason and not req.strategy.eos_ends_request and final[cut] not in \
                 req.params.stop_token_ids and req.final_end < req.gen_end:
             reason = None       # the decoder generates every block (LLaDA2.1): cut, not ended
         for stop in req.params.stop:
             at = text.find(stop)
             if at >= 0:
-                text, reason = text[:at], "stop"
+                text, reason, stop_reason = text[:at], "stop", stop
                 ids = self._ids_for_text(ids, at)
-        return reason, ids, text
+        return reason, ids, text, stop_reason if reason else None
 
     def _ids_for_text(self, ids: list[int], length: int) -> list[int]:
         """Shortest prefix of ids whose text reaches `length` characters (covers the stop)."""
@@ -50,11 +56,22 @@ class OutputProcessor:
         text = text[: len(text) - hold] if hold else text
         return text.rstrip("\ufffd")
 
-    def make_output(self, req: Request) -> RequestOutput:
+    def make_output(self, req: Request, index: int = 0) -> RequestOutput:
+        """The request's output so far (a partial one carries its stable text only); `index`
+        is its place among its parent's n outputs (engine/parallel_sampling.py)."""
         m = req.stamp_metrics()
         done = req.finish_reason is not None
         text = req.output_text if done else self.stable_text(req)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)],
-            finished=done, metrics=m)
+            outputs=[self._completion(req, index, text, done)], finished=done, metrics=m)
+
+    def _completion(self, req: Request, index: int, text: str, done: bool) -> CompletionOutput:
+        ids = list(req.output_token_ids)
+        out = CompletionOutput(index, text, ids, req.finish_reason,
+                               req.stop_reason if done else None)
+        if req.params.logprobs is not None:
+            out.logprobs = self.logprobs.extend(req.output_logprobs, req.token_logprobs,
+                                                req.prompt_len, ids)
+            out.cumulative_logprob = sum(d[t].logprob for t, d in zip(ids, out.logprobs))
+        return out

@@ -22,12 +22,16 @@ from cover_vllm.cache_refresh import CacheRefresh, RefreshState
 from cover_vllm.outputs import RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.output import WorkItem
-from cover_vllm.step_plan import RowDecision
+from cover_vllm.step_plan import RowDecision, TokenLogprobs
 from cover_vllm.strategies.base import BlockState, Strategy
 
-# stop_rule(request) -> (finish reason or None, output token ids, output text): the stop check
-# on a request's FINAL tokens (engine/output_processor.py owns the tokenizer it needs)
-StopRule = Callable[["Request"], tuple[str | None, list[int], str]]
+# stop_rule(request) -> (finish reason or None, output token ids, output text, stop reason: the
+# stop string or stop token id that matched, else None): the stop check on a request's FINAL
+# tokens (engine/output_processor.py owns the tokenizer it needs)
+StopRule = Callable[["Request"], tuple[str | None, list[int], str, int | str | None]]
+# what a request keeps per canvas position with SamplingParams.logprobs: (ids [1 + k], their
+# logprobs [1 + k], the written token's rank), the written token first (a TokenLogprobs row)
+KeptLogprobs = tuple[list[int], list[float], int]
 
 
 class RequestStatus(enum.Enum):
@@ -96,6 +100,11 @@ class Request:
         self.kv_tokens = torch.full_like(self.canvas, -1)
         self.output_token_ids: list[int] = []
         self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # SamplingParams.logprobs: the last write's entry per canvas position, and the output's
+        # per-token dicts built so far (FINAL tokens only; engine/logprobs.py)
+        self.token_logprobs: dict[int, KeptLogprobs] = {}
+        self.output_logprobs: list = []
 
     # ---- geometry --------------------------------------------------------------------------
     @staticmethod
@@ -180,6 +189,7 @@ class Request:
                 pos = view_start + i
                 self.remasked_from[pos] = int(self.canvas[pos])
                 self.canvas[pos] = self.mask_id
+                self.token_logprobs.pop(pos, None)
             m.remasks += int(remask.sum())
             revised += int(remask.sum())
         if replace is not None and bool(replace.any()):
@@ -228,6 +238,8 @@ class Request:
         self.note_written(item)
         changed, revised = self.apply(item.view_start, decision.commit, decision.tokens,
                                       decision.remask, decision.replace)
+        if decision.logprobs is not None:
+            self.keep_logprobs(item.view_start, decision.logprobs)
         self.refresh.record(item.is_refresh, changed, revised)
         m = self.metrics
         m.nfe += 1
@@ -236,7 +248,7 @@ class Request:
         m.refreshes += int(item.is_refresh)
         if decision.stop:                    # the strategy ends the request now (mid-block)
             self.final_end = self.block[1]
-            reason, self.output_token_ids, self.output_text = stop_rule(self)
+            reason = self._check_stop(stop_rule)
             return reason or "stop"
         if not self.strategy.block_done(self.state, self.block_masked()):
             return None
@@ -248,13 +260,23 @@ class Request:
             self._next_block()                   # nothing is FINAL before the request ends
             return None
         self.final_end = self.block[1]
-        reason, self.output_token_ids, self.output_text = stop_rule(self)
+        reason = self._check_stop(stop_rule)
         if reason is None and self.in_last_block:
             reason = "length"
         if reason is None:
             self._next_block()
             return "block"
         return reason
+
+    def _check_stop(self, stop_rule: StopRule) -> str | None:
+        reason, self.output_token_ids, self.output_text, self.stop_reason = stop_rule(self)
+        return reason
+
+    def keep_logprobs(self, view_start: int, logprobs: TokenLogprobs) -> None:
+        """Keep a decision's log-probabilities per canvas position (a later write replaces)."""
+        for i, ids, values, rank in zip(logprobs.positions.tolist(), logprobs.token_ids.tolist(),
+                                        logprobs.logprobs.tolist(), logprobs.ranks.tolist()):
+            self.token_logprobs[view_start + i] = (ids, values, rank)
 
     def _next_block(self) -> None:
         self.block_idx += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import types
+import typing
 from typing import Any
 
 from cover_vllm.strategies.base import (BlockState, Decision, StepBatch, Strategy,
@@ -50,12 +52,34 @@ def make_params(name: str, given: Any) -> StrategyParams:
     if unknown:
         raise ValueError(f"decoding_params {unknown} not valid for {name!r}; "
                          f"allowed: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
     for key, value in given.items():
-        if value is not None and not isinstance(value, (int, float, str, bool)):
-            raise TypeError(f"decoding_params.{key} must be a number, string or bool")
-        if isinstance(value, bool) != ("bool" in str(fields[key].type)) and value is not None:
-            raise TypeError(f"decoding_params.{key} has the wrong type ({type(value).__name__})")
+        _check_type(f"decoding_params.{key}", value, hints[key], name)
     return cls(**given)
+
+
+_TYPE_NAMES = {bool: "a bool", int: "an integer", float: "a number", str: "a string",
+               type(None): "null"}
+
+
+def _check_type(what: str, value: Any, hint: Any, strategy: str) -> None:
+    """ValueError naming `what` and the expected type unless `value` fits `hint` (a float field
+    takes an int; bools are never numbers)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        if typing.get_origin(option) is typing.Literal:
+            if value in typing.get_args(option):
+                return
+        elif option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        elif isinstance(value, option) and (option is bool or not isinstance(value, bool)):
+            return
+    expected = " or ".join(
+        " | ".join(map(repr, typing.get_args(o))) if typing.get_origin(o) is typing.Literal
+        else _TYPE_NAMES.get(o, getattr(o, "__name__", str(o))) for o in options)
+    raise ValueError(f"{what} must be {expected} (decoding={strategy!r}), got "
+                     f"{type(value).__name__} {value!r}")
 
 
 __all__ = ["BlockState", "Decision", "STRATEGIES", "StepBatch", "Strategy", "StrategyParams",

@@ -193,6 +193,11 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         default_max_tokens = engine.default_max_tokens
         loop = EngineLoop(engine, stats)
 
+    if tokenizer is None:
+        logger.warning("%s has no tokenizer: send prompts as token ids; responses carry the "
+                       "generated ids (choices[].token_ids, vLLM's return_token_ids form) and "
+                       "empty text", name)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()

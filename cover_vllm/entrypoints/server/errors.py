@@ -14,7 +14,7 @@ from pydantic import ValidationError
 # Fields an engine or SamplingParams message may name, most specific first.
 _FIELDS = ("decoding_params", "stop_token_ids", "max_tokens", "block_length", "temperature",
            "top_p", "top_k", "steps", "seed", "stop", "decoding", "cache_refresh", "kv_cache",
-           "ignore_eos",
+           "ignore_eos", "top_logprobs", "logprobs",
            "prompt_token_ids", "prompt", "messages")
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
 

@@ -105,7 +105,7 @@ class ServerMetrics:
         m = out.metrics
         self.requests.labels(outcome=out.outputs[0].finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.outputs[0].token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))   # all n
         self.decoded_tokens.inc(m.decoded_tokens)
         self.nfe.inc(m.nfe)
         self.nfe_sum += m.nfe

@@ -1,23 +1,26 @@
 """Request bodies of /v1/completions and /v1/chat/completions (pydantic) and their SamplingParams.
 
 Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo such as `decodng`
-is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (n > 1,
-echo, logprobs, penalties, best_of, suffix) are accepted only at their neutral value. Limits that
-need the model (prompt + max_tokens <= max length) are checked in serving.py after tokenising.
+is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (echo,
+penalties, best_of > 1, suffix) are accepted only at their neutral value. `n`, completions'
+`logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
+`return_token_ids` (vLLM's) adds the token ids to the response. Limits that need the model
+(prompt + max_tokens <= max length) are checked in serving.py after tokenising.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from cover_vllm.cache_refresh import parse_cache_refresh
-from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from cover_vllm.strategies import STRATEGIES
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
+MAX_N = 64                         # choices per prompt (SamplingParams.n)
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
 
@@ -61,6 +64,7 @@ class SamplingFields(_Strict):
     kv_cache: Literal["none", "prefix", "dual"] | None = None
     cache_refresh: str | None = None      # "block" | "interval:N" | "adaptive"
     decoding_params: dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # vLLM's: choices[].token_ids and prompt_token_ids
 
     @field_validator("stop")
     @classmethod
@@ -75,7 +79,10 @@ class SamplingFields(_Strict):
     @field_validator("n")
     @classmethod
     def _n(cls, value):
-        return _neutral(value, (None, 1), "n > 1 (several choices per prompt)")
+        if value is not None and not 1 <= value <= MAX_N:
+            raise ValueError(f"n (choices per prompt) must be an integer from 1 to {MAX_N}, "
+                             f"got {value}")
+        return value
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -104,6 +111,10 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per token (None: no logprobs)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError/TypeError naming the field (mapped to a 400 by the caller)."""
         return SamplingParams(
@@ -113,7 +124,13 @@ class SamplingFields(_Strict):
             top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache,
-            cache_refresh=self.cache_refresh)
+            cache_refresh=self.cache_refresh, n=self.n or 1, logprobs=self.num_logprobs())
+
+
+def _check_logprobs(value: int | None, name: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value}")
+    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -168,7 +185,10 @@ class CompletionRequest(SamplingFields):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value):
-        return _neutral(value, (None, 0), "logprobs")
+        return _check_logprobs(value, "logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -208,15 +228,15 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value):
-        return _neutral(value, (None, False), "logprobs")
-
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, value):
-        return _neutral(value, (None, 0), "top_logprobs")
+    def _top_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):          # OpenAI's rule
+            raise ValueError("top_logprobs needs logprobs=true")
+        return _check_logprobs(value, "top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, model_default: int | None = None) -> int:
         """max_completion_tokens / max_tokens, else the checkpoint's max_new_tokens, else 64."""

@@ -1,8 +1,10 @@
-"""Completions and chat: a parsed request -> engine submissions -> an OpenAI JSON body or SSE.
+"""Completions and chat: a parsed request -> engine submissions (one per prompt; the engine
+fans n > 1 out) -> an OpenAI JSON body or SSE (bodies: responses.py).
 
 Streams carry only text that can no longer change (a partial output's stable text, then the
-finished text) as deltas, so a streamed answer is never retracted and its concatenation equals
-the non-streamed text. A client that disconnects or cancels gets its requests aborted.
+finished text) as per-choice deltas (`choices[].index`), so a streamed answer is never retracted
+and its concatenation equals the non-streamed text; logprobs and token ids travel with them. A
+client that disconnects or cancels gets its requests aborted.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import random
 import time
 import uuid
@@ -25,11 +26,11 @@ from cover_vllm.entrypoints.server.client import EngineClient, ResultStream
 from cover_vllm.entrypoints.server.errors import (APIError, from_value_error, model_not_found,
                                                   server_error)
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest, SamplingFields
+from cover_vllm.entrypoints.server.responses import (DeltaTracker, ResponseShape, choices,
+                                                     chunk_choice, finish_choice, usage)
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,10 +154,9 @@ async def collect(ctx: ServingContext, streams: list[ResultStream],
                 ctx.loop.abort(s.request_id)
 
 
-async def merged_deltas(streams: list[ResultStream], partial: bool
-                        ) -> AsyncIterator[tuple[int, str, RequestOutput]]:
-    """(prompt index, new stable text, output) as outputs arrive from any stream."""
-    sent = [""] * len(streams)
+async def merged_outputs(streams: list[ResultStream]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) as outputs arrive from any stream, until every one finished."""
     pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
     try:
         while pending:
@@ -164,14 +164,7 @@ async def merged_deltas(streams: list[ResultStream], partial: bool
             for task in sorted(done, key=pending.get):
                 i = pending.pop(task)
                 out = task.result()
-                text, delta = out.outputs[0].text, ""
-                if (partial or out.finished) and len(text) > len(sent[i]):
-                    if text.startswith(sent[i]):
-                        delta, sent[i] = text[len(sent[i]):], text
-                    else:
-                        logger.warning("request %s: text changed after it was streamed",
-                                       out.request_id)
-                yield i, delta, out
+                yield i, out
                 if not out.finished:
                     pending[asyncio.ensure_future(streams[i].get())] = i
     finally:
@@ -179,49 +172,27 @@ async def merged_deltas(streams: list[ResultStream], partial: bool
             task.cancel()
 
 
-def usage(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-def _choice(chat: bool, index: int, out: RequestOutput) -> dict:
-    c = out.outputs[0]
-    body = ({"message": {"role": "assistant", "content": c.text}} if chat
-            else {"text": c.text, "logprobs": None})
-    return {"index": index, **body, "finish_reason": c.finish_reason,
-            "metrics": out.metrics.as_dict()}
-
-
-def _chunk_choice(chat: bool, index: int, delta: str | None, finish: str | None,
-                  first: bool) -> dict:
-    if not chat:
-        return {"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}
-    content = {"role": "assistant", "content": delta or ""} if first else (
-        {"content": delta} if delta else {})
-    return {"index": index, "delta": content, "finish_reason": finish}
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _event_stream(ctx: ServingContext, head: dict, streams: list[ResultStream],
-                        req: SamplingFields, chat: bool) -> AsyncIterator[str]:
-    partial = streams_partial(ctx, streams[0].submission.params)
-    started, finished, outs = set(), set(), []
+                        req: SamplingFields, shape: ResponseShape) -> AsyncIterator[str]:
+    params = streams[0].submission.params
+    tracker = DeltaTracker(shape, partial=streams_partial(ctx, params),
+                           hold_tokens=bool(params.stop))
+    tokens_wanted = shape.logprobs is not None or shape.token_ids
+    finished, outs = set(), []
     try:
-        async for i, delta, out in merged_deltas(streams, partial):
-            first = i not in started
-            started.add(i)
-            if delta or (chat and first):
-                yield _sse({**head, "choices": [_chunk_choice(chat, i, delta, None, first)]})
+        async for i, out in merged_outputs(streams):
+            for d in tracker.deltas(i, out):
+                if d.text or (shape.chat and d.first) or (tokens_wanted and d.end > d.start):
+                    yield _sse({**head, "choices": [chunk_choice(shape, d)]})
+                if d.finished:
+                    yield _sse({**head, "choices": [finish_choice(shape, d)]})
             if out.finished:
                 finished.add(i)
                 outs.append(out)
-                yield _sse({**head, "choices": [_chunk_choice(chat, i, "", out.outputs[0]
-                                                                .finish_reason, False)]})
         if req.include_usage():
             yield _sse({**head, "choices": [], "usage": usage(outs)})
     except EngineRequestError as exc:
@@ -233,6 +204,13 @@ async def _event_stream(ctx: ServingContext, head: dict, streams: list[ResultStr
     yield "data: [DONE]\n\n"
 
 
+def response_shape(ctx: ServingContext, req: SamplingFields, chat: bool) -> ResponseShape:
+    """Token ids come back when asked for (vLLM's return_token_ids) and, unless refused, from a
+    model without a tokenizer (its text is empty)."""
+    ids = req.return_token_ids if req.return_token_ids is not None else ctx.tokenizer is None
+    return ResponseShape(chat=chat, n=req.n or 1, logprobs=req.num_logprobs(), token_ids=ids)
+
+
 async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
                    prompts: list[list[int]], chat: bool):
     params = sampling_params(ctx, req, prompts, req.max_new_tokens(ctx.default_max_tokens))
@@ -240,16 +218,18 @@ async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
     streams = await submit_all(ctx, base_id, prompts, params)
     head = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": ctx.model_name}
+    shape = response_shape(ctx, req, chat)
     if req.stream:
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        return StreamingResponse(_event_stream(ctx, head, streams, req, chat),
+        return StreamingResponse(_event_stream(ctx, head, streams, req, shape),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     outs = await collect(ctx, streams, request)
     if outs is None:                  # the client is gone; nobody reads this
         return JSONResponse({"error": "client disconnected"}, status_code=499)
-    return JSONResponse({**head, "choices": [_choice(chat, i, o) for i, o in enumerate(outs)],
-                         "usage": usage(outs)})
+    if chat and shape.token_ids:      # vLLM: the chat response's prompt ids are top-level
+        head["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+    return JSONResponse({**head, "choices": choices(shape, outs), "usage": usage(outs)})
 
 
 async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
