@@ -1,4 +1,5 @@
-"""SamplingParams: the per-request knobs of `LLM.generate` and the server, validated on creation."""
+"""SamplingParams: the per-request knobs of `LLM.generate` and the server, validated on creation;
+StructuredOutputsParams: a request's output constraint (vLLM's names)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
 
 MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _check_int(name: str, value: Any, allow_none: bool) -> None:
@@ -25,6 +27,58 @@ def _check_str_list(name: str, value: Any) -> list:
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         raise TypeError(f"SamplingParams.{name} must be a non-empty string or a list of them")
     return list(items)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The output must match one constraint (vLLM's `StructuredOutputsParams`): a JSON schema
+    (`json`, a dict or its JSON text), any JSON value (`json_object=True`), a regular expression
+    (`regex`), one of a list of strings (`choice`) or an EBNF grammar (`grammar`, xgrammar's
+    GBNF dialect). `disable_any_whitespace` makes JSON compact (no optional whitespace).
+    Decoding under a constraint: cover_vllm/structured_output/ and docs/architecture.md."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported by this engine's "
+                                 f"grammar backend (xgrammar); use one of {list(STRUCTURED_KINDS)}")
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {list(STRUCTURED_KINDS)}"
+                             f", got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError("structured_outputs.json must be a JSON schema (dict) or its JSON "
+                            f"text, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise TypeError("structured_outputs.choice must be a non-empty list of "
+                                "non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise TypeError("structured_outputs.json_object must be a bool")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -47,6 +101,9 @@ class SamplingParams:
     that forward, [MASK] excluded, before temperature / top-k / top-p. A token that a check
     later replaced, or remasked and committed again, reports its final commit. `stop_reason` in
     the output is the stop string or stop token id that ended it (None for EOS and length).
+    `structured_outputs` constrains the output (StructuredOutputsParams; a dict of its fields is
+    accepted too): every decoder commits only tokens the grammar allows after the committed
+    prefix, and the request ends when the value is complete.
     """
 
     max_tokens: int = 64
@@ -65,6 +122,7 @@ class SamplingParams:
     cache_refresh: str | CacheRefresh | None = None
     n: int = 1
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,5 +170,14 @@ class SamplingParams:
                 parse_cache_refresh(self.cache_refresh)
             except ValueError as exc:
                 raise ValueError(f"SamplingParams.{exc}") from None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise TypeError(f"SamplingParams.structured_outputs: {exc}") from None
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, "
+                            "a dict of its fields, or None")
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")

@@ -56,8 +56,8 @@ class LocalTokenizer:
     """tokenizer.json + tokenizer_config.json without `transformers` (see the module docstring).
 
     Implements the part of the Hugging Face tokenizer API the engine, server and tasks use:
-    `encode`, `decode`, `__call__`, `apply_chat_template`, `convert_tokens_to_ids`, the special
-    token strings and ids, `chat_template`, `name_or_path`.
+    `encode`, `decode`, `__call__`, `apply_chat_template`, `convert_tokens_to_ids`, `get_vocab`,
+    `backend_tokenizer`, the special token strings and ids, `chat_template`, `name_or_path`.
     """
 
     def __init__(self, path: Path, config: dict):
@@ -85,6 +85,14 @@ class LocalTokenizer:
             token = self.__dict__.get(name[:-3])
             return None if token is None else self._tok.token_to_id(token)
         raise AttributeError(name)
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath (Hugging Face's name for it)."""
+        return self._tok
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
         if isinstance(tokens, str):

@@ -19,7 +19,7 @@ LAYERS = [
                     "cover_vllm.config", "cover_vllm.sampling_params", "cover_vllm.step_plan",
                     "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args"]),
     ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops"]),
-    ("strategies", ["cover_vllm.strategies"]),
+    ("strategies", ["cover_vllm.strategies", "cover_vllm.structured_output"]),
     ("scheduler", ["cover_vllm.scheduler"]),
     ("worker", ["cover_vllm.worker", "cover_vllm.distributed", "cover_vllm.executor",
                 "cover_vllm.reference_decode"]),

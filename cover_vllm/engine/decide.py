@@ -1,5 +1,7 @@
 """Runs the strategies of one step: one vectorised `decide` call per strategy instance, then
-per request its decision row (with the written tokens' logprobs when it asked for them)."""
+per request its decision row: made grammar-valid for requests with structured outputs
+(cover_vllm/structured_output/constraint.py), with the written tokens' logprobs when it asked
+for them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.strategies.base import StepBatch
+from cover_vllm.structured_output.constraint import (ViewRow, constrain_decision,
+                                                      mask_frontiers, restore)
 
 
 def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
@@ -112,7 +116,10 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
         batch = _batch(reqs, items, [logits[i] for i in idx], *stats, extra_logits=extra)
         for observer in observers:
             observer.on_decide(strategy, batch)
+        saved = mask_frontiers([(r.grammar, batch.logits[row], _frontier_index(r, it))
+                                for row, (r, it) in enumerate(zip(reqs, items)) if r.grammar])
         d = strategy.decide(batch)
+        restore(saved)
         zeros = [0] * len(reqs)
         keeps = zeros if d.keeps is None else d.keeps.tolist()
         verified = zeros if d.verified is None else d.verified.tolist()
@@ -124,8 +131,28 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
                 commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
                 replace=pick(d.replace), keeps=keeps[row], verified=verified[row],
                 stop=bool(stops[row]))
+            if req.grammar is not None:
+                decision = constrain_decision(req.grammar, _view_row(batch, row, req, item),
+                                              decision)
             # last: whatever edits the decision above, logprobs describe the tokens it writes
             if req.params.logprobs is not None:
                 attach_logprobs(decision, batch.logits[row, :n], req.params.logprobs)
             decisions[req.request_id] = decision
     return decisions
+
+
+def _frontier_index(req: Request, item) -> int:
+    """The view index of the grammar's frontier when the next token there is still open."""
+    f = req.grammar.frontier
+    if item.view_start <= f < min(item.view_end, req.gen_end) and int(req.canvas[f]) == \
+            req.mask_id:
+        return f - item.view_start
+    return -1
+
+
+def _view_row(batch: StepBatch, row: int, req: Request, item) -> ViewRow:
+    n = item.view_end - item.view_start
+    drawable = (batch.masked[row, :n] | batch.seeds[row, :n]) if batch.seeds is not None \
+        else batch.masked[row, :n]
+    return ViewRow(item.view_start, batch.tokens[row, :n], batch.logits[row, :n], drawable,
+                   req.gen_end, req.mask_id, req.params.temperature, req.generator)

@@ -34,6 +34,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.step_plan import RowDecision
+from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
 
 logger = init_logger(__name__)
@@ -118,6 +119,7 @@ class Engine:
         self._counter = itertools.count()
         self._observers: list[StepObserver] = []
         self._times: StepTimes | None = None
+        self._grammar_backend: GrammarBackend | None = None
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -171,8 +173,11 @@ class Engine:
         generator = torch.Generator().manual_seed(seed)
         refresh = (self.refresh_policy if params.cache_refresh is None
                    else parse_cache_refresh(params.cache_refresh))
-        return Request(request_id, text, ids, params, strategy, generator,
-                       params.kv_cache or self.config.kv_cache, refresh)
+        req = Request(request_id, text, ids, params, strategy, generator,
+                      params.kv_cache or self.config.kv_cache, refresh)
+        if params.structured_outputs is not None:   # one grammar state per canvas (n > 1)
+            req.grammar = self._grammars().new_state(params.structured_outputs, len(ids))
+        return req
 
     def _queue(self, requests: list[Request]) -> None:
         """Hand requests to the scheduler: all of them, or (it refused one) none."""
@@ -185,6 +190,17 @@ class Engine:
                 if self._requests.pop(req.request_id, None) is not None:
                     self.scheduler.abort_request(req.request_id)
             raise
+
+    def _grammars(self) -> GrammarBackend:
+        """The structured-output compiler, built on the first request that needs it."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer (the grammar is over "
+                             "text); this model directory has none")
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(
+                self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids,
+                forbidden_ids=(self.spec.mask_token_id,))
+        return self._grammar_backend
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

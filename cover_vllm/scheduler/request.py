@@ -24,6 +24,7 @@ from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.output import WorkItem
 from cover_vllm.step_plan import RowDecision, TokenLogprobs
 from cover_vllm.strategies.base import BlockState, Strategy
+from cover_vllm.structured_output.constraint import GrammarState
 
 # stop_rule(request) -> (finish reason or None, output token ids, output text, stop reason: the
 # stop string or stop token id that matched, else None): the stop check on a request's FINAL
@@ -105,6 +106,7 @@ class Request:
         # per-token dicts built so far (FINAL tokens only; engine/logprobs.py)
         self.token_logprobs: dict[int, KeptLogprobs] = {}
         self.output_logprobs: list = []
+        self.grammar: GrammarState | None = None   # structured outputs: set by the engine
 
     # ---- geometry --------------------------------------------------------------------------
     @staticmethod

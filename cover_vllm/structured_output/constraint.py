@@ -1,0 +1,251 @@
+"""GrammarState and the two hooks of the engine's strategy stage that enforce it.
+
+Invariant (per request): the generated tokens are a prefix the grammar accepted, canvas
+positions [prompt_len, frontier), followed by [MASK] up to the end of the generation slots.
+
+* `mask_frontiers` (before `decide`): the frontier position's logits row keeps only the tokens
+  the grammar allows there, so the strategy's proposal and confidence at the frontier are the
+  constrained ones. The raw row is restored after `decide` (logprobs report the model's
+  distribution).
+* `constrain_decision` (after `decide`): the decision is applied to a copy of the view, then
+  - a position of the accepted prefix that the decision revised (Replace / ReMask of a
+    revocable check) rolls the grammar back to just before it;
+  - from the frontier, tokens are accepted left to right while the grammar takes them. A
+    revised token the grammar rejects keeps its old token when that still fits, else it is
+    re-drawn from its own row under the grammar's mask; so is a remasked prefix position (the
+    prefix has no holes), and the frontier itself when nothing else advanced (at least one
+    token a step: no decoder can stall);
+  - every token after the new frontier goes back to [MASK] (a commit the grammar could not
+    check yet is dropped, not kept);
+  - once the grammar accepts an end-of-sequence token, the rest of the block becomes that
+    token and the request ends ("stop").
+  Re-drawn tokens follow the request's temperature (argmax at 0, else a draw from the masked
+  softmax with the request's generator). Rows a sparse window left out (non-masked, non-seed
+  positions of `masked_rows_only` decoders) are never read: a rejected token there is masked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cover_vllm.step_plan import RowDecision
+from cover_vllm.structured_output.completion import shortest_completion
+
+CLOSE_MARGIN = 4        # check completability when the slots left are this near the estimate
+MAX_CLOSE_LEN = 256     # longest completion searched for when a request starts
+
+
+class GrammarState:
+    """One request's grammar matcher and how far into the canvas it has accepted."""
+
+    def __init__(self, compiled, prompt_len: int, stop_ids: list[int], vocab_size: int,
+                 candidates: list[int]):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self.frontier = prompt_len          # canvas positions < frontier are accepted
+        self.prompt_len = prompt_len
+        self.stop_ids = set(stop_ids)
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, ceil(V / 32)] int32
+        self.seconds = 0.0                  # time spent in this request's constraint
+        self.candidates = candidates        # single-byte token ids, completion search order
+        found = shortest_completion(self.matcher, candidates, MAX_CLOSE_LEN)
+        self.close_len = len(found) if found is not None else 0   # estimated completion length
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (the state is left unchanged)."""
+        if self.matcher.accept_token(token):
+            self.matcher.rollback(1)
+            return True
+        return False
+
+    def completion(self, slots: int) -> list[int]:
+        """A completion of the value in at most `slots` tokens, with an end-of-sequence token
+        when one more fits (empty when none is found)."""
+        tokens = shortest_completion(self.matcher, self.candidates, slots) or []
+        if len(tokens) < slots:
+            tokens = tokens + [min(self.stop_ids)]
+        return tokens
+
+    def refresh_close_len(self, limit: int) -> None:
+        """Re-estimate the completion length from the frontier when the slots left come near
+        it (a value can grow its shortest completion: a nested object, a required key)."""
+        left = limit - self.frontier
+        if left <= 2 * self.close_len + CLOSE_MARGIN:
+            found = shortest_completion(self.matcher, self.candidates, left)
+            self.close_len = len(found) if found is not None else self.close_len
+
+    def accept(self, token: int, slots_after: int) -> bool:
+        """Accept an allowed `token` unless the value could then no longer be completed in the
+        `slots_after` slots behind it (False: the state is left unchanged)."""
+        self.matcher.accept_token(token)
+        if token in self.stop_ids or slots_after > self.close_len + CLOSE_MARGIN:
+            return True
+        found = shortest_completion(self.matcher, self.candidates, slots_after)
+        if found is not None:
+            self.close_len = len(found)
+            return True
+        self.matcher.rollback(1)
+        if not shortest_completion(self.matcher, self.candidates, slots_after + 1):
+            self.matcher.accept_token(token)     # no completion found either way: keep it
+            return True
+        return False
+
+    def restrict(self, row: torch.Tensor) -> None:
+        """Set every token the grammar forbids at the frontier to -inf in `row` [V], in place."""
+        import xgrammar as xgr
+
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        xgr.apply_token_bitmask_inplace(row[None, : self.vocab_size], self.bitmask)
+        if row.shape[0] > self.vocab_size:             # a padded LM head's extra columns
+            row[self.vocab_size:] = float("-inf")
+
+    def draw(self, row: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+        """The token for the frontier from logits `row` [V] under the grammar's mask."""
+        row = row.detach().clone()
+        self.restrict(row)
+        if temperature <= 0:
+            return int(row.argmax())
+        probs = torch.softmax(row.double() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def rollback_to(self, position: int) -> None:
+        if position < self.frontier:
+            self.matcher.rollback(self.frontier - position)
+            self.frontier = position
+
+
+def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
+    """Restrict each (state, view logits [W, V], frontier index in the view or -1) frontier row;
+    returns what `restore` needs to put the raw rows back."""
+    saved = []
+    with torch.inference_mode():                  # the runner's logits are inference tensors
+        for state, logits, index in rows:
+            if index < 0 or state.terminated:
+                continue
+            start = time.perf_counter()
+            saved.append((logits, index, logits[index].clone()))
+            state.restrict(logits[index])
+            state.seconds += time.perf_counter() - start
+    return saved
+
+
+def restore(saved: list) -> None:
+    with torch.inference_mode():
+        for logits, index, row in saved:
+            logits[index] = row
+
+
+def constrain_decision(state: GrammarState, view: "ViewRow", d: RowDecision) -> RowDecision:
+    """The decision `d` for one request made grammar-valid (see the module docstring)."""
+    start = time.perf_counter()
+    try:
+        return _constrain(state, view, d)
+    finally:
+        state.seconds += time.perf_counter() - start
+
+
+class ViewRow:
+    """What `constrain_decision` reads of one request's view this step (view-relative)."""
+
+    def __init__(self, view_start: int, tokens: torch.Tensor, logits: torch.Tensor,
+                 drawable: torch.Tensor, limit: int, mask_id: int,
+                 temperature: float, generator: torch.Generator):
+        self.view_start = view_start
+        self.tokens = tokens            # [W] canvas tokens before the decision
+        self.logits = logits            # [W, V] this forward's rows (raw)
+        self.drawable = drawable        # [W] bool: rows computed from a masked input position
+        self.limit = limit              # canvas end of what the grammar governs (gen slots)
+        self.mask_id = mask_id
+        self.temperature, self.generator = temperature, generator
+
+
+def _apply(d: RowDecision, old: torch.Tensor, mask_id: int) -> torch.Tensor:
+    new = old.clone()
+    if d.remask is not None:
+        new[d.remask] = mask_id
+    if d.replace is not None:
+        new[d.replace] = d.tokens[d.replace]
+    new[d.commit] = d.tokens[d.commit]
+    return new
+
+
+def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecision:
+    old, vs, mask = view.tokens, view.view_start, view.mask_id
+    new = _apply(d, old, mask)
+    end = min(view.limit, vs + old.shape[0])
+    if state.terminated:                     # nothing after the value may change
+        new[max(state.frontier, vs) - vs: end - vs] = old[max(state.frontier, vs) - vs: end - vs]
+        return _as_decision(d, old, new, mask, stop=d.stop)
+    frontier = state.frontier
+    changed = (new != old).nonzero().flatten() + vs
+    changed = changed[changed < frontier]
+    if changed.numel():
+        state.rollback_to(int(changed[0]))
+    state.refresh_close_len(view.limit)
+    # the request ends when the value is complete (a decoder's own stop, e.g. LLaDA2's
+    # eos_early_stop, looked at tokens the grammar may have refused)
+    p, stop = max(state.frontier, vs), False
+    while p < end:
+        i = p - vs
+        token = int(new[i])
+        if token == mask:
+            # a hole in the prefix (a check remasked it), or the frontier when nothing else
+            # advanced it this step
+            if p > frontier or not view.drawable[i]:
+                break
+            token = state.draw(view.logits[i], view.temperature, view.generator)
+        elif not state.allows(token):
+            before = int(old[i])
+            if before != token and before != mask and state.allows(before):
+                token = before                   # veto the revision: the old token still fits
+            elif view.drawable[i]:
+                token = state.draw(view.logits[i], view.temperature, view.generator)
+            else:
+                break
+        if not state.accept(token, view.limit - p - 1):
+            p = _close(state, new, p, vs, end, view.limit)   # write a completion that fits
+            stop = p > i + vs and int(new[p - 1 - vs]) in state.stop_ids
+            break
+        new[i] = token
+        p += 1
+        if token in state.stop_ids:                  # the value is complete
+            stop = True
+            break
+    state.frontier = p
+    # after a complete value: its end-of-sequence token to the end; else unchecked commits go
+    # back to [MASK]
+    new[p - vs: end - vs] = new[p - 1 - vs] if stop else mask
+    return _as_decision(d, old, new, mask, stop)
+
+
+def _close(state: GrammarState, new: torch.Tensor, p: int, vs: int, end: int,
+           limit: int) -> int:
+    """Write the grammar's completion from canvas position `p` (and an end-of-sequence token
+    when it fits); returns the position after the last token accepted."""
+    tokens = state.completion(limit - p)
+    for token in tokens:
+        if p >= end:
+            break
+        state.matcher.accept_token(token)
+        new[p - vs] = token
+        p += 1
+    return p
+
+
+def _as_decision(d: RowDecision, old: torch.Tensor, new: torch.Tensor, mask: int,
+                 stop: bool) -> RowDecision:
+    was_masked, is_masked = old == mask, new == mask
+    commit = was_masked & ~is_masked
+    replace = ~was_masked & ~is_masked & (new != old)
+    remask = ~was_masked & is_masked
+    return RowDecision(commit=commit, tokens=new, remask=remask if remask.any() else None,
+                       replace=replace if replace.any() else None, keeps=d.keeps,
+                       verified=d.verified, stop=stop)
