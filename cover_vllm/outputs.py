@@ -26,6 +26,8 @@ class RequestMetrics:
     prefix_query_tokens: int = 0   # prompt positions looked up in the prefix cache
     cached_prompt_tokens: int = 0  # of which found: their K/V came from the cache
     latency_s: float = 0.0       # arrival to finish, wall clock
+    constraint_s: float = 0.0    # structured_outputs: time spent masking, checking and rolling
+                                 # back the grammar (part of the steps' strategy time)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -290,6 +290,8 @@ class Request:
         m.latency_s = time.perf_counter() - self.arrival
         m.decoded_tokens = min(self.final_end, self.gen_end) - self.prompt_len
         m.tokens_per_step = m.decoded_tokens / m.steps if m.steps else 0.0
+        if self.grammar is not None:
+            m.constraint_s = self.grammar.seconds
         return m
 
     def generated(self) -> torch.Tensor:
