@@ -152,7 +152,9 @@ def _frontier_index(req: Request, item) -> int:
 
 def _view_row(batch: StepBatch, row: int, req: Request, item) -> ViewRow:
     n = item.view_end - item.view_start
-    drawable = (batch.masked[row, :n] | batch.seeds[row, :n]) if batch.seeds is not None \
-        else batch.masked[row, :n]
+    if req.strategy.masked_rows_only:    # a sparse window computes masked rows and seeds only
+        drawable = batch.masked[row, :n] | batch.seeds[row, :n]
+    else:
+        drawable = batch.valid[row, :n]
     return ViewRow(item.view_start, batch.tokens[row, :n], batch.logits[row, :n], drawable,
                    req.gen_end, req.mask_id, req.params.temperature, req.generator)

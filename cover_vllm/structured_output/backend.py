@@ -15,6 +15,7 @@ tokens other than the end-of-sequence ids, and [MASK], are blanked so no grammar
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from cover_vllm.logger import init_logger
@@ -36,6 +37,14 @@ def _encoded_vocab(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> tupl
         hf = PreTrainedTokenizerFast(tokenizer_object=backend)     # cover_vllm's LocalTokenizer
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
     return list(info.decoded_vocab), info
+
+
+_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's error without its C++ log prefix ("[07:52:37] file.cc:4944: ...")."""
+    return _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0])[:300]
 
 
 class GrammarBackend:
@@ -90,7 +99,7 @@ class GrammarBackend:
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"structured_outputs.{kind} could not be compiled: "
-                             f"{str(exc).strip().splitlines()[0][:300]}") from None
+                             f"{_message(exc)}") from None
 
     def new_state(self, params: StructuredOutputsParams, prompt_len: int) -> GrammarState:
         compiled = self.compile(params)

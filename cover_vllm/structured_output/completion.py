@@ -38,6 +38,8 @@ def closing_candidates(vocab: list[bytes]) -> list[int]:
 def shortest_completion(matcher, candidates: list[int], max_len: int) -> list[int] | None:
     """Tokens (no end-of-sequence token) that complete the value from the matcher's state in at
     most `max_len` tokens, or None; the matcher is left as it was."""
+    if max_len < 0:
+        return None
     path: list[int] = []
     tries = 0
 

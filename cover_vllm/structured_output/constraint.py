@@ -20,8 +20,9 @@ positions [prompt_len, frontier), followed by [MASK] up to the end of the genera
   - once the grammar accepts an end-of-sequence token, the rest of the block becomes that
     token and the request ends ("stop").
   Re-drawn tokens follow the request's temperature (argmax at 0, else a draw from the masked
-  softmax with the request's generator). Rows a sparse window left out (non-masked, non-seed
-  positions of `masked_rows_only` decoders) are never read: a rejected token there is masked.
+  softmax with the request's generator). Rows a sparse window may leave out (non-masked,
+  non-seed positions of `masked_rows_only` decoders) are never read: a rejected token there is
+  masked, and a remask there undone.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class GrammarState:
                  candidates: list[int]):
         import xgrammar as xgr
 
+        self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
         self.frontier = prompt_len          # canvas positions < frontier are accepted
         self.prompt_len = prompt_len
@@ -51,6 +53,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, ceil(V / 32)] int32
         self.seconds = 0.0                  # time spent in this request's constraint
+        self.rollbacks = 0                  # times a revised token rolled the grammar back
         self.candidates = candidates        # single-byte token ids, completion search order
         found = shortest_completion(self.matcher, candidates, MAX_CLOSE_LEN)
         self.close_len = len(found) if found is not None else 0   # estimated completion length
@@ -83,17 +86,19 @@ class GrammarState:
             self.close_len = len(found) if found is not None else self.close_len
 
     def accept(self, token: int, slots_after: int) -> bool:
-        """Accept an allowed `token` unless the value could then no longer be completed in the
-        `slots_after` slots behind it (False: the state is left unchanged)."""
+        """Accept an allowed `token` unless the value could then no longer be completed, with
+        its end-of-sequence token, in the `slots_after` slots behind it (False: the state is
+        left unchanged)."""
         self.matcher.accept_token(token)
         if token in self.stop_ids or slots_after > self.close_len + CLOSE_MARGIN:
             return True
-        found = shortest_completion(self.matcher, self.candidates, slots_after)
+        # one slot stays free for the end-of-sequence token, so a complete value ends "stop"
+        found = shortest_completion(self.matcher, self.candidates, slots_after - 1)
         if found is not None:
             self.close_len = len(found)
             return True
         self.matcher.rollback(1)
-        if not shortest_completion(self.matcher, self.candidates, slots_after + 1):
+        if shortest_completion(self.matcher, self.candidates, slots_after) is None:
             self.matcher.accept_token(token)     # no completion found either way: keep it
             return True
         return False
@@ -117,9 +122,11 @@ class GrammarState:
         return int(torch.multinomial(probs, 1, generator=generator))
 
     def rollback_to(self, position: int) -> None:
+        """Un-accept the tokens from canvas `position` on (a check revised that token)."""
         if position < self.frontier:
             self.matcher.rollback(self.frontier - position)
             self.frontier = position
+            self.rollbacks += 1
 
 
 def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
@@ -161,7 +168,8 @@ class ViewRow:
         self.view_start = view_start
         self.tokens = tokens            # [W] canvas tokens before the decision
         self.logits = logits            # [W, V] this forward's rows (raw)
-        self.drawable = drawable        # [W] bool: rows computed from a masked input position
+        self.drawable = drawable        # [W] bool: rows that may be drawn from (all rows, or
+                                        # for `masked_rows_only` decoders masked inputs only)
         self.limit = limit              # canvas end of what the grammar governs (gen slots)
         self.mask_id = mask_id
         self.temperature, self.generator = temperature, generator
@@ -199,9 +207,14 @@ def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecisio
         if token == mask:
             # a hole in the prefix (a check remasked it), or the frontier when nothing else
             # advanced it this step
-            if p > frontier or not view.drawable[i]:
+            if p > frontier:
                 break
-            token = state.draw(view.logits[i], view.temperature, view.generator)
+            if view.drawable[i]:
+                token = state.draw(view.logits[i], view.temperature, view.generator)
+            elif int(old[i]) != mask and state.allows(int(old[i])):
+                token = int(old[i])              # no row to draw from: the remask is undone
+            else:
+                break
         elif not state.allows(token):
             before = int(old[i])
             if before != token and before != mask and state.allows(before):
