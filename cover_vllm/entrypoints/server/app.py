@@ -31,6 +31,7 @@ from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestE
 from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
+from cover_vllm.entrypoints.server.structured import unknown_field_hint
 from cover_vllm.models.builtin import local_config, resolve_engine_model
 from cover_vllm.models.spec import ModelSpec
 
@@ -73,7 +74,7 @@ def _parse(model: type[BaseModel], obj: dict) -> Any:
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        raise from_validation_error(exc, hint=unknown_field_hint) from exc
 
 
 def _check_key(request: Request) -> None:

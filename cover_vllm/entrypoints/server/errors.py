@@ -8,6 +8,7 @@ name. Not a place for validation rules (those live in protocol.py).
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from pydantic import ValidationError
 
@@ -16,7 +17,8 @@ _FIELDS = ("decoding_params", "stop_token_ids", "max_tokens", "block_length", "t
            "top_p", "top_k", "steps", "seed", "stop", "decoding", "cache_refresh", "kv_cache",
            "ignore_eos", "top_logprobs", "logprobs",
            "prompt_token_ids", "prompt", "messages")
-_FIELD_RE = re.compile(r"\b(" + "|".join(_FIELDS) + r")\b")
+_FIELD_RE = re.compile(r"\b(structured_outputs(?:\.\w+)?|response_format(?:\.\w+)*|"
+                       + "|".join(_FIELDS) + r")\b")
 
 
 class APIError(Exception):
@@ -52,12 +54,14 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def from_validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as an APIError whose param is the field's dotted path."""
+def from_validation_error(exc: ValidationError,
+                          hint: Callable[[str], str | None] | None = None) -> APIError:
+    """The first pydantic error as an APIError whose param is the field's dotted path; `hint`
+    words the error for an unknown field it knows (e.g. one vLLM renamed)."""
     err = exc.errors(include_url=False)[0]
     param = _loc(err["loc"]) or None
     if err["type"] == "extra_forbidden":
-        message = f"unknown or unsupported field '{param}'"
+        message = (hint and param and hint(param)) or f"unknown or unsupported field '{param}'"
     elif err["type"] == "missing":
         message = f"'{param}' is a required field"
     else:

@@ -4,8 +4,9 @@ Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo su
 is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (echo,
 penalties, best_of > 1, suffix) are accepted only at their neutral value. `n`, completions'
 `logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
-`return_token_ids` (vLLM's) adds the token ids to the response. Limits that need the model
-(prompt + max_tokens <= max length) are checked in serving.py after tokenising.
+`return_token_ids` (vLLM's) adds the token ids to the response. OpenAI's `response_format` and
+vLLM's `structured_outputs` map onto SamplingParams.structured_outputs (structured.py). Limits that
+need the model (prompt + max_tokens <= max length) are checked in serving.py after tokenising.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from cover_vllm.cache_refresh import parse_cache_refresh
+from cover_vllm.entrypoints.server.structured import (ResponseFormat, StructuredOutputsFields,
+                                                      check_one_constraint, constraint,
+                                                      constraint_field)
 from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from cover_vllm.strategies import STRATEGIES
 
@@ -65,6 +69,9 @@ class SamplingFields(_Strict):
     cache_refresh: str | None = None      # "block" | "interval:N" | "adaptive"
     decoding_params: dict[str, Any] | None = None
     return_token_ids: bool | None = None  # vLLM's: choices[].token_ids and prompt_token_ids
+    # structured outputs: OpenAI's response_format or vLLM's structured_outputs (structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
     @field_validator("stop")
     @classmethod
@@ -108,6 +115,16 @@ class SamplingFields(_Strict):
             raise ValueError(f"unknown decoding strategy {value!r}; valid: {sorted(STRATEGIES)}")
         return value
 
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value, info: ValidationInfo):
+        check_one_constraint(info.data.get("response_format"), value)
+        return value
+
+    def constraint_field(self) -> str | None:
+        """The field carrying the constraint (response_format / structured_outputs) or None."""
+        return constraint_field(self.response_format, self.structured_outputs)
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -124,7 +141,8 @@ class SamplingFields(_Strict):
             top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache,
-            cache_refresh=self.cache_refresh, n=self.n or 1, logprobs=self.num_logprobs())
+            cache_refresh=self.cache_refresh, n=self.n or 1, logprobs=self.num_logprobs(),
+            structured_outputs=constraint(self.response_format, self.structured_outputs))
 
 
 def _check_logprobs(value: int | None, name: str) -> int | None:

@@ -28,6 +28,7 @@ from cover_vllm.entrypoints.server.errors import (APIError, from_value_error, mo
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest, SamplingFields
 from cover_vllm.entrypoints.server.responses import (DeltaTracker, ResponseShape, choices,
                                                      chunk_choice, finish_choice, usage)
+from cover_vllm.entrypoints.server.structured import as_sent
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
@@ -90,10 +91,25 @@ def sampling_params(ctx: ServingContext, req: SamplingFields, prompts: list[list
         params = req.sampling_params(max_tokens)
         make_params(params.decoding or ctx.default_decoding, params.decoding_params)
     except (ValueError, TypeError) as exc:
-        raise from_value_error(exc, default_param="decoding_params") from exc
+        raise named_as_sent(req, from_value_error(exc, default_param="decoding_params")) from exc
     if params.seed is not None:
         return [params] * len(prompts)
     return [dataclasses.replace(params, seed=ctx.seeds.getrandbits(63)) for _ in prompts]
+
+
+def check_constraint(ctx: ServingContext, req: SamplingFields) -> None:
+    field = req.constraint_field()
+    if field is not None and ctx.tokenizer is None:
+        raise APIError("this model has no tokenizer, so its output cannot be constrained "
+                       "(structured outputs are grammars over text)", param=field,
+                       code="no_tokenizer")
+
+
+def named_as_sent(req: SamplingFields, err: APIError) -> APIError:
+    """An error about the constraint, naming the field the client sent (response_format or
+    structured_outputs.<kind>; the engine only speaks of the latter)."""
+    err.message, err.param = as_sent(req.response_format, err.message, err.param)
+    return err
 
 
 def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
@@ -213,9 +229,13 @@ def response_shape(ctx: ServingContext, req: SamplingFields, chat: bool) -> Resp
 
 async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
                    prompts: list[list[int]], chat: bool):
+    check_constraint(ctx, req)
     params = sampling_params(ctx, req, prompts, req.max_new_tokens(ctx.default_max_tokens))
     base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    streams = await submit_all(ctx, base_id, prompts, params)
+    try:              # a malformed schema / regex / grammar is refused when the engine compiles it
+        streams = await submit_all(ctx, base_id, prompts, params)
+    except APIError as err:
+        raise named_as_sent(req, err)
     head = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": ctx.model_name}
     shape = response_shape(ctx, req, chat)
