@@ -141,6 +141,20 @@ def cmd_bench_latency(args: argparse.Namespace) -> None:
             json.dump({"results": rows, "verification": verification}, f, indent=2)
 
 
+def cmd_bench_structured(args: argparse.Namespace) -> None:
+    from cover_vllm.benchmarks.structured import (StructuredSpec, format_structured,
+                                                  run_structured)
+
+    rows = run_structured(StructuredSpec(
+        model=args.model, decodings=args.decoding, constraints=args.constraint,
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
+        threads=args.num_threads))
+    print(format_structured(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     import torch
 
@@ -299,6 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_common(lat)
     lat.add_argument("--repeats", type=positive_int, default=3, help="requests timed")
     lat.set_defaults(func=cmd_bench_latency)
+    st = b.add_parser("structured", help="structured outputs: validity, NFE, tokens/step and "
+                      "the constraint's time per step, per decoding x constraint")
+    st.add_argument("--model", default="cover-tiny", help=MODEL_HELP)
+    st.add_argument("--decoding", type=csv, default=("cover", "threshold", "low_confidence"),
+                    help="strategies, comma-separated")
+    st.add_argument("--constraint", type=csv,
+                    default=("none", "json", "json_compact", "regex", "choice"),
+                    help="none (the baseline), json ({answer: integer}), json_compact (the same "
+                    "without optional whitespace), regex, choice")
+    st.add_argument("--num-prompts", type=positive_int, default=10, help="requests per row")
+    st.add_argument("--max-tokens", type=positive_int, default=32, help="generated tokens")
+    add_engine_flags(st, ["num_threads", "seed"])
+    st.add_argument("--json", default=None, help="write the rows here")
+    st.set_defaults(func=cmd_bench_structured)
     sc = b.add_parser("scale", help="load seconds, peak memory, s/step and tok/s of a "
                       "full-size model (run in a fresh process)")
     sc.add_argument("--model", required=True, help=MODEL_HELP)

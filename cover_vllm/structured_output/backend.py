@@ -56,7 +56,8 @@ class GrammarBackend:
         self.stop_ids = [int(t) for t in stop_ids]
         self.forbidden_ids = forbidden_ids
         self._compiler = None
-        self.candidates: list[int] = []     # set with the compiler (completion search order)
+        self.candidates: tuple[list[int], int] = ([], 0)   # set with the compiler: the
+                                            # completion search order, how many closers
 
     @property
     def compiler(self):

@@ -32,10 +32,9 @@ import time
 import torch
 
 from cover_vllm.step_plan import RowDecision
-from cover_vllm.structured_output.completion import shortest_completion
+from cover_vllm.structured_output.completion import SEARCH_DEPTH, CompletionSearch
 
-CLOSE_MARGIN = 4        # check completability when the slots left are this near the estimate
-MAX_CLOSE_LEN = 256     # longest completion searched for when a request starts
+CLOSE_MARGIN = 8        # slots beyond the completion estimate that need no check
 
 
 class GrammarState:
@@ -54,9 +53,10 @@ class GrammarState:
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, ceil(V / 32)] int32
         self.seconds = 0.0                  # time spent in this request's constraint
         self.rollbacks = 0                  # times a revised token rolled the grammar back
-        self.candidates = candidates        # single-byte token ids, completion search order
-        found = shortest_completion(self.matcher, candidates, MAX_CLOSE_LEN)
-        self.close_len = len(found) if found is not None else 0   # estimated completion length
+        self.search = CompletionSearch(self.matcher, candidates, vocab_size)
+        # the last completion length found: completability is checked once the slots left come
+        # within a margin of it, so most tokens of a long canvas search nothing
+        self.close_estimate = self.search.length_after(prompt_len - 1) or 0
 
     @property
     def terminated(self) -> bool:
@@ -70,36 +70,34 @@ class GrammarState:
         return False
 
     def completion(self, slots: int) -> list[int]:
-        """A completion of the value in at most `slots` tokens, with an end-of-sequence token
-        when one more fits (empty when none is found)."""
-        tokens = shortest_completion(self.matcher, self.candidates, slots) or []
+        """The completion of the value when it fits in `slots` tokens, its end-of-sequence
+        token included when one more fits (empty when none is found)."""
+        tokens = self.search.find(SEARCH_DEPTH) or []
+        tokens = tokens[:slots]
         if len(tokens) < slots:
             tokens = tokens + [min(self.stop_ids)]
         return tokens
 
-    def refresh_close_len(self, limit: int) -> None:
-        """Re-estimate the completion length from the frontier when the slots left come near
-        it (a value can grow its shortest completion: a nested object, a required key)."""
-        left = limit - self.frontier
-        if left <= 2 * self.close_len + CLOSE_MARGIN:
-            found = shortest_completion(self.matcher, self.candidates, left)
-            self.close_len = len(found) if found is not None else self.close_len
-
-    def accept(self, token: int, slots_after: int) -> bool:
-        """Accept an allowed `token` unless the value could then no longer be completed, with
-        its end-of-sequence token, in the `slots_after` slots behind it (False: the state is
-        left unchanged)."""
+    def accept(self, token: int, position: int, limit: int) -> bool:
+        """Accept the allowed `token` at canvas `position` unless the value could then no
+        longer be completed, with its end-of-sequence token, before `limit` (False: the
+        state is left unchanged, for a completion from here)."""
         self.matcher.accept_token(token)
-        if token in self.stop_ids or slots_after > self.close_len + CLOSE_MARGIN:
+        if token in self.stop_ids:
             return True
         # one slot stays free for the end-of-sequence token, so a complete value ends "stop"
-        found = shortest_completion(self.matcher, self.candidates, slots_after - 1)
-        if found is not None:
-            self.close_len = len(found)
-            return True
+        slots = limit - position - 2
+        if slots >= self.close_estimate + CLOSE_MARGIN:
+            return True                          # far from the end: nothing to check yet
+        after = self.search.length_after(position, token)
+        if after is None or after <= slots:
+            self.close_estimate = after or self.close_estimate
+            return True                          # it fits, or the search gave up: keep it
         self.matcher.rollback(1)
-        if shortest_completion(self.matcher, self.candidates, slots_after) is None:
-            self.matcher.accept_token(token)     # no completion found either way: keep it
+        self.search.forget_from(position)
+        before = self.search.length_after(position - 1)
+        if before is None or before > limit - position - 1:
+            self.matcher.accept_token(token)     # no better way either: keep it
             return True
         return False
 
@@ -127,6 +125,7 @@ class GrammarState:
             self.matcher.rollback(self.frontier - position)
             self.frontier = position
             self.rollbacks += 1
+            self.search.forget_from(position)
 
 
 def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
@@ -197,7 +196,6 @@ def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecisio
     changed = changed[changed < frontier]
     if changed.numel():
         state.rollback_to(int(changed[0]))
-    state.refresh_close_len(view.limit)
     # the request ends when the value is complete (a decoder's own stop, e.g. LLaDA2's
     # eos_early_stop, looked at tokens the grammar may have refused)
     p, stop = max(state.frontier, vs), False
@@ -223,7 +221,7 @@ def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecisio
                 token = state.draw(view.logits[i], view.temperature, view.generator)
             else:
                 break
-        if not state.accept(token, view.limit - p - 1):
+        if not state.accept(token, p, view.limit):
             p = _close(state, new, p, vs, end, view.limit)   # write a completion that fits
             stop = p > i + vs and int(new[p - 1 - vs]) in state.stop_ids
             break
