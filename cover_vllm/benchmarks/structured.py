@@ -1,6 +1,11 @@
 """`cover-vllm bench structured`: what a structured-output constraint costs and how much parallel
 decoding survives it, per decoding x constraint ("none": the same requests unconstrained).
 
+`--task arith` runs cover-tiny's worked additions instead (chat prompts from the task's
+held-out split) with the constraint `worked`, a regex of the answer's layout, which the model's
+own answers already match: what a constraint costs when it agrees with the model, and the
+task's accuracy next to validity.
+
 Per row: the share of outputs that validate, forwards per request (NFE), generation slots
 decoded per step (`tokens_per_step`, EOS padding included, as RequestMetrics counts it), mean
 step time, and the constraint's own time per step (RequestMetrics.constraint_s summed over the
@@ -25,9 +30,11 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}
                  "required": ["answer"]}
 REGEX = r"[0-9]{1,3}(\.[0-9]+)?"
 CHOICES = ["yes", "no", "maybe"]
+WORKED = r"([0-9]\+[0-9]\+[0-9]=[0-9]{2}\n){3}=[0-9]{3}"    # arith's 3-digit worked answer
 CONSTRAINTS = {"none": None, "json": dict(json=ANSWER_SCHEMA),
                "json_compact": dict(json=ANSWER_SCHEMA, disable_any_whitespace=True),
-               "regex": dict(regex=REGEX), "choice": dict(choice=CHOICES)}
+               "regex": dict(regex=REGEX), "choice": dict(choice=CHOICES),
+               "worked": dict(regex=WORKED)}
 
 
 def valid(constraint: str, text: str) -> bool:
@@ -40,6 +47,8 @@ def valid(constraint: str, text: str) -> bool:
         return isinstance(value, dict) and type(value.get("answer")) is int
     if constraint == "regex":
         return re.fullmatch(REGEX, text) is not None
+    if constraint == "worked":
+        return re.fullmatch(WORKED, text) is not None
     if constraint == "choice":
         return text in CHOICES
     return True
@@ -54,6 +63,7 @@ class StructuredSpec:
     max_tokens: int = 32
     seed: int = 0
     threads: int | None = None
+    task: str | None = None          # "arith": the task's prompts, accuracy reported
 
     def __post_init__(self) -> None:
         bad = [c for c in self.constraints if c not in CONSTRAINTS]
@@ -63,7 +73,7 @@ class StructuredSpec:
 
 def run_structured(spec: StructuredSpec) -> list[dict]:
     llm = LLM(spec.model, seed=spec.seed, num_threads=spec.threads)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(spec.num_prompts)]
+    prompts, check = _prompts(spec, llm)
     rows = []
     for decoding in spec.decodings:
         for name in spec.constraints:
@@ -83,6 +93,8 @@ def run_structured(spec: StructuredSpec) -> list[dict]:
             rows.append({
                 "decoding": decoding, "constraint": name,
                 "valid": statistics.mean(valid(name, o.outputs[0].text) for o in outs),
+                "accuracy": None if check is None else statistics.mean(
+                    check(i, o.outputs[0].text) for i, o in enumerate(outs)),
                 "nfe": statistics.mean(o.metrics.nfe for o in outs),
                 "tokens_per_step": statistics.mean(o.metrics.tokens_per_step for o in outs),
                 "step_ms": 1e3 * step_s / len(times.rows),
@@ -93,12 +105,26 @@ def run_structured(spec: StructuredSpec) -> list[dict]:
     return rows
 
 
+def _prompts(spec: StructuredSpec, llm: LLM) -> tuple[list, object]:
+    """The requests' prompts, and a checker of output i (None without a task)."""
+    if spec.task is None:
+        return [PROMPTS[i % len(PROMPTS)] for i in range(spec.num_prompts)], None
+    from cover_vllm.tasks import chat_prompt_ids, get_task
+
+    task = get_task(spec.task)
+    examples = task.eval_split(spec.num_prompts)
+    prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, ex.prompt)}
+               for ex in examples]
+    return prompts, lambda i, text: float(task.check(examples[i].prompt, text))
+
+
 def format_structured(rows: list[dict]) -> str:
-    head = ("| decoding | constraint | valid | NFE/request | tokens/step | step ms | "
+    head = ("| decoding | constraint | valid | accuracy | NFE/request | tokens/step | step ms | "
             "constraint ms/step | constraint share | example |")
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
-        lines.append(f"| {r['decoding']} | {r['constraint']} | {r['valid']:.0%} | "
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.0%}"
+        lines.append(f"| {r['decoding']} | {r['constraint']} | {r['valid']:.0%} | {accuracy} | "
                      f"{r['nfe']:.1f} | {r['tokens_per_step']:.2f} | {r['step_ms']:.2f} | "
                      f"{r['constraint_ms_per_step']:.3f} | {r['constraint_share']:.1%} | "
                      f"`{r['example'][:40]!r}` |")

@@ -148,7 +148,7 @@ def cmd_bench_structured(args: argparse.Namespace) -> None:
     rows = run_structured(StructuredSpec(
         model=args.model, decodings=args.decoding, constraints=args.constraint,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
-        threads=args.num_threads))
+        threads=args.num_threads, task=args.task))
     print(format_structured(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -321,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--constraint", type=csv,
                     default=("none", "json", "json_compact", "regex", "choice"),
                     help="none (the baseline), json ({answer: integer}), json_compact (the same "
-                    "without optional whitespace), regex, choice")
+                    "without optional whitespace), regex, choice, worked (arith's answer layout)")
+    st.add_argument("--task", default=None, help="prompts from a task's held-out split "
+                    "(arith, with --constraint none,worked), accuracy reported")
     st.add_argument("--num-prompts", type=positive_int, default=10, help="requests per row")
     st.add_argument("--max-tokens", type=positive_int, default=32, help="generated tokens")
     add_engine_flags(st, ["num_threads", "seed"])

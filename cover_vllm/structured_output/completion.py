@@ -109,9 +109,8 @@ class CompletionSearch:
     def length_after(self, position: int, token: int | None = None) -> int | None:
         """The length of a completion from the state after canvas `position` (the matcher's
         state now; `token` is the one accepted there), kept until `forget_from`; None when
-        the search gave up. The completion kept for `position - 1` is tried first: its tail
-        when `token` was its first token, else replayed as it is (whitespace or a digit more
-        rarely changes how a value ends), and only when neither holds is there a search."""
+        the search gave up. The completion kept for `position - 1` is reused first
+        (`_reuse`); only when it no longer completes the value is there a search."""
         if position not in self.paths:
             found = self._reuse(self.paths.get(position - 1), token)
             if found is None:
@@ -122,19 +121,31 @@ class CompletionSearch:
         return len(self.paths[position])
 
     def _reuse(self, before: list[int] | None, token: int | None) -> list[int] | None:
+        """A completion after `token` from the one kept before it: its tail when `token` was
+        its first token; else the tail replayed (`token` took the first token's place: another
+        digit, another letter), else all of it replayed (`token` was one more: whitespace)."""
         if not before:
             return None
         if before[0] == token:
             return before[1:]
+        for tail in (before[1:], before):
+            found = self._replay(tail)
+            if found is not None:
+                return found
+        return None
+
+    def _replay(self, tokens: list[int]) -> list[int] | None:
+        """The shortest prefix of `tokens` that completes the value from the matcher's state,
+        or None (the matcher is left as it was)."""
         taken = 0
-        for t in before:
+        for t in tokens:
             if self.matcher.is_completed() or not self.matcher.accept_token(t):
                 break
             taken += 1
         completed = self.matcher.is_completed()
         if taken:
             self.matcher.rollback(taken)
-        return before[:taken] if completed else None
+        return tokens[:taken] if completed else None
 
     def forget_from(self, position: int) -> None:
         for key in [k for k in self.paths if k >= position]:
