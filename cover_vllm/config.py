@@ -13,6 +13,7 @@ KV_CACHE_MODES = ("none", "prefix", "dual")
 EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}    # vLLM's other spellings
 _DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
 DEFAULT_MEMORY_UTILIZATION = 0.9
 
@@ -42,8 +43,9 @@ class EngineConfig:
     decoding: str = option("cover", "default decoding strategy (per request: decoding)")
     kv_cache: str = option("dual", "KV reuse between refreshes: none is exact",
                            choices=KV_CACHE_MODES)
-    dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype)",
-                        choices=DTYPES)
+    dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype; "
+                        "vLLM's half and float mean float16 and float32)",
+                        choices=DTYPES + tuple(DTYPE_ALIASES))
     quantization: str | None = option(
         None, "weight-only quantized projections, computed at load: int8 (per output channel) "
         "or int4 / int4:G (a scale and zero per G input columns, default 128); embeddings, "
@@ -115,8 +117,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache={self.kv_cache!r}; choose one of {list(KV_CACHE_MODES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+            raise ValueError(f"dtype={self.dtype!r}; choose one of "
+                             f"{list(DTYPES) + list(DTYPE_ALIASES)}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r};"
                              f" choose one of {list(EXECUTOR_BACKENDS)}")

@@ -41,6 +41,16 @@ def test_trust_remote_code_is_logged_once(caplog):
     assert len(said) == 1 and "never runs code shipped with a checkpoint" in said[0]
 
 
+@pytest.mark.parametrize("alias, dtype", [("half", "float16"), ("float", "float32")])
+def test_vllms_dtype_spellings(alias, dtype):
+    from cover_vllm.config import EngineConfig
+    from cover_vllm.entrypoints.cli import build_parser
+
+    assert EngineConfig.from_options("cover-tiny", dtype=alias).dtype == dtype
+    args = build_parser().parse_args(["generate", "cover-tiny", "--prompt", "x", "--dtype", alias])
+    assert EngineConfig.from_options("cover-tiny", dtype=args.dtype).dtype == dtype
+
+
 def test_get_tokenizer_round_trips_text(capped):
     tokenizer = capped.get_tokenizer()
     for text in ("384+250=", "solve: 2 apples + 3 apples", "4x4 sudoku 1.3. .2.4"):
