@@ -28,6 +28,7 @@ positions [prompt_len, frontier), followed by [MASK] up to the end of the genera
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -158,20 +159,19 @@ def constrain_decision(state: GrammarState, view: "ViewRow", d: RowDecision) -> 
         state.seconds += time.perf_counter() - start
 
 
+@dataclass
 class ViewRow:
     """What `constrain_decision` reads of one request's view this step (view-relative)."""
 
-    def __init__(self, view_start: int, tokens: torch.Tensor, logits: torch.Tensor,
-                 drawable: torch.Tensor, limit: int, mask_id: int,
-                 temperature: float, generator: torch.Generator):
-        self.view_start = view_start
-        self.tokens = tokens            # [W] canvas tokens before the decision
-        self.logits = logits            # [W, V] this forward's rows (raw)
-        self.drawable = drawable        # [W] bool: rows that may be drawn from (all rows, or
-                                        # for `masked_rows_only` decoders masked inputs only)
-        self.limit = limit              # canvas end of what the grammar governs (gen slots)
-        self.mask_id = mask_id
-        self.temperature, self.generator = temperature, generator
+    view_start: int
+    tokens: torch.Tensor            # [W] canvas tokens before the decision
+    logits: torch.Tensor            # [W, V] this forward's rows (raw)
+    drawable: torch.Tensor          # [W] bool: rows that may be drawn from (all rows, or for
+                                    # `masked_rows_only` decoders the masked inputs only)
+    limit: int                      # canvas end of what the grammar governs (gen slots)
+    mask_id: int
+    temperature: float
+    generator: torch.Generator
 
 
 def _apply(d: RowDecision, old: torch.Tensor, mask_id: int) -> torch.Tensor:
