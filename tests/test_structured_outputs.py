@@ -288,3 +288,22 @@ def test_a_model_without_tokenizer_refuses_structured_outputs() -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8,
                                                  structured_outputs=CONSTRAINTS["choice"]),
                      use_tqdm=False)
+
+
+NESTED = {"type": "object", "required": ["name", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 5},
+                         "tags": {"type": "array", "items": {"type": "integer"}},
+                         "ok": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("decoding", ["saber", "cover", "wino", "llada2"])
+def test_required_fields_close_in_time_after_revisions(llm, decoding) -> None:
+    """A value whose shortest completion is long (three required fields) still ends valid
+    when revisions roll the grammar back late in the slots: the completion estimate is
+    re-read after a rollback, not kept from a later state (Saber at block length 8 once ended
+    two such outputs unfinished)."""
+    params = SamplingParams(max_tokens=64, block_length=8, decoding=decoding, seed=1,
+                            structured_outputs=dict(json=NESTED))
+    for out in llm.generate(PROMPTS[:6], params, use_tqdm=False):
+        value = json.loads(out.outputs[0].text)
+        assert set(value) == {"name", "tags", "ok"} and type(value["ok"]) is bool

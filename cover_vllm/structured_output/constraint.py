@@ -35,7 +35,7 @@ import torch
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.structured_output.completion import SEARCH_DEPTH, CompletionSearch
 
-CLOSE_MARGIN = 8        # slots beyond the completion estimate that need no check
+CLOSE_MARGIN = 16       # slots beyond twice the completion estimate that need no check
 
 
 class GrammarState:
@@ -56,7 +56,8 @@ class GrammarState:
         self.rollbacks = 0                  # times a revised token rolled the grammar back
         self.search = CompletionSearch(self.matcher, candidates, vocab_size)
         # the last completion length found: completability is checked once the slots left come
-        # within a margin of it, so most tokens of a long canvas search nothing
+        # within twice it plus a margin (one token can open a structure that needs more), so
+        # most tokens of a long canvas search nothing
         self.close_estimate = self.search.length_after(prompt_len - 1) or 0
 
     @property
@@ -88,7 +89,7 @@ class GrammarState:
             return True
         # one slot stays free for the end-of-sequence token, so a complete value ends "stop"
         slots = limit - position - 2
-        if slots >= self.close_estimate + CLOSE_MARGIN:
+        if slots >= 2 * self.close_estimate + CLOSE_MARGIN:
             return True                          # far from the end: nothing to check yet
         after = self.search.length_after(position, token)
         if after is None or after <= slots:
@@ -127,6 +128,9 @@ class GrammarState:
             self.frontier = position
             self.rollbacks += 1
             self.search.forget_from(position)
+            # the estimate came from a later state: take this one's (a shorter value needs
+            # fewer slots, so a stale estimate would start the checks too late)
+            self.close_estimate = self.search.length_after(position - 1) or self.close_estimate
 
 
 def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
