@@ -307,3 +307,14 @@ def test_required_fields_close_in_time_after_revisions(llm, decoding) -> None:
     for out in llm.generate(PROMPTS[:6], params, use_tqdm=False):
         value = json.loads(out.outputs[0].text)
         assert set(value) == {"name", "tags", "ok"} and type(value["ok"]) is bool
+
+
+def test_max_tokens_below_the_shortest_value_is_warned(llm, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="cover_vllm"):
+        (out,) = llm.generate(["hello"], SamplingParams(max_tokens=16, structured_outputs=dict(
+            json=NESTED)), use_tqdm=False)
+    said = [r.getMessage() for r in caplog.records if "shortest value" in r.getMessage()]
+    assert len(said) == 1 and "max_tokens is 16" in said[0]
+    assert out.outputs[0].finish_reason == "length"          # cut, as vLLM would

@@ -177,6 +177,11 @@ class Engine:
                       params.kv_cache or self.config.kv_cache, refresh)
         if params.structured_outputs is not None:   # one grammar state per canvas (n > 1)
             req.grammar = self._grammars().new_state(params.structured_outputs, len(ids))
+            shortest = req.grammar.close_estimate + 1           # + its end-of-sequence token
+            if shortest > params.max_tokens:
+                logger.warning("request %s: the shortest value structured_outputs allows takes "
+                               "about %d tokens, max_tokens is %d: its output will be cut",
+                               request_id, shortest, params.max_tokens)
         return req
 
     def _queue(self, requests: list[Request]) -> None:
