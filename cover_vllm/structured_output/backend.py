@@ -26,8 +26,9 @@ from cover_vllm.structured_output.constraint import GrammarState
 logger = init_logger(__name__)
 
 
-def _encoded_vocab(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> tuple[list, Any]:
-    """Each token id's bytes as xgrammar decodes them, and the detected metadata."""
+def _encoded_vocab(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> list[bytes]:
+    """Each token id's bytes as xgrammar decodes them (its detection of byte-level / byte
+    fallback vocabularies)."""
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +37,7 @@ def _encoded_vocab(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> tupl
     if backend is not None and not isinstance(tokenizer, PreTrainedTokenizerFast):
         hf = PreTrainedTokenizerFast(tokenizer_object=backend)     # cover_vllm's LocalTokenizer
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
-    return list(info.decoded_vocab), info
+    return list(info.decoded_vocab)
 
 
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -64,7 +65,7 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            vocab, _ = _encoded_vocab(self.tokenizer, self.vocab_size, self.stop_ids)
+            vocab = _encoded_vocab(self.tokenizer, self.vocab_size, self.stop_ids)
             special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
             for t in (special | set(self.forbidden_ids)) - set(self.stop_ids):
                 if 0 <= t < len(vocab):

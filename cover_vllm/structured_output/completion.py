@@ -54,20 +54,20 @@ class CompletionSearch:
         self.matcher = matcher
         candidates, closers = candidates
         self.order = np.asarray(candidates, dtype=np.int64)
-        self.closers = candidates[:closers]
+        self.ordered, self.closers = list(candidates), candidates[:closers]
         self._word, self._bit = self.order >> 5, (self.order & 31).astype(np.int32)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._words = self.bitmask.numpy()[0]        # shares the tensor's memory
         self.paths: dict[int, list[int]] = {}   # canvas position -> a completion after it
-        self.gave_up = False                  # the last search hit MAX_TRIES
 
     def _allowed(self) -> list[int]:
         """Candidates the grammar takes next, in search order: a closer when one fits (a few
-        accept attempts), else one bitmask fill read at the candidates' bits."""
+        accept attempts; the others follow unchecked, for a backtrack), else one bitmask fill
+        read at the candidates' bits."""
         for token in self.closers:
             if self.matcher.accept_token(token):
                 self.matcher.rollback(1)
-                return [token] + [t for t in self.order.tolist() if t != token]
+                return [token] + [t for t in self.ordered if t != token]
         self.matcher.fill_next_token_bitmask(self.bitmask)
         bits = (self._words[self._word] >> self._bit) & 1
         return self.order[bits.astype(bool)].tolist()
@@ -79,7 +79,6 @@ class CompletionSearch:
             return None
         path: list[int] = []
         tries = 0
-        self.gave_up = False
 
         def search(depth: int) -> bool:
             nonlocal tries
@@ -90,7 +89,6 @@ class CompletionSearch:
             for token in self._allowed():
                 tries += 1
                 if tries > MAX_TRIES:
-                    self.gave_up = True
                     return False
                 if not self.matcher.accept_token(token):
                     continue                      # (after a closer: the others unchecked)
@@ -106,11 +104,11 @@ class CompletionSearch:
             self.matcher.rollback(len(path))
         return path if found else None
 
-    def length_after(self, position: int, token: int | None = None) -> int | None:
-        """The length of a completion from the state after canvas `position` (the matcher's
-        state now; `token` is the one accepted there), kept until `forget_from`; None when
-        the search gave up. The completion kept for `position - 1` is reused first
-        (`_reuse`); only when it no longer completes the value is there a search."""
+    def path_after(self, position: int, token: int | None = None) -> list[int] | None:
+        """A completion from the state after canvas `position` (the matcher's state now;
+        `token` is the one accepted there), kept until `forget_from`; None when the search gave
+        up. The completion kept for `position - 1` is reused first (`_reuse`); only when it no
+        longer completes the value is there a search."""
         if position not in self.paths:
             found = self._reuse(self.paths.get(position - 1), token)
             if found is None:
@@ -118,7 +116,7 @@ class CompletionSearch:
             if found is None:
                 return None
             self.paths[position] = found
-        return len(self.paths[position])
+        return self.paths[position]
 
     def _reuse(self, before: list[int] | None, token: int | None) -> list[int] | None:
         """A completion after `token` from the one kept before it: its tail when `token` was

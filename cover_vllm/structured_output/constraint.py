@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.step_plan import RowDecision
-from cover_vllm.structured_output.completion import SEARCH_DEPTH, CompletionSearch
+from cover_vllm.structured_output.completion import CompletionSearch
 
 CLOSE_MARGIN = 16       # slots beyond twice the completion estimate that need no check
 
@@ -51,64 +51,59 @@ class GrammarState:
         self.prompt_len = prompt_len
         self.stop_ids = set(stop_ids)
         self.vocab_size = vocab_size
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, ceil(V / 32)] int32
         self.seconds = 0.0                  # time spent in this request's constraint
         self.rollbacks = 0                  # times a revised token rolled the grammar back
         self.search = CompletionSearch(self.matcher, candidates, vocab_size)
         # the last completion length found: completability is checked once the slots left come
         # within twice it plus a margin (one token can open a structure that needs more), so
         # most tokens of a long canvas search nothing
-        self.close_estimate = self.search.length_after(prompt_len - 1) or 0
+        self.close_estimate = 0
+        self._estimate(self.search.path_after(prompt_len - 1))
 
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
-    def allows(self, token: int) -> bool:
-        """Whether the grammar takes `token` next (the state is left unchanged)."""
-        if self.matcher.accept_token(token):
-            self.matcher.rollback(1)
-            return True
-        return False
-
-    def completion(self, slots: int) -> list[int]:
-        """The completion of the value when it fits in `slots` tokens, its end-of-sequence
-        token included when one more fits (empty when none is found)."""
-        tokens = self.search.find(SEARCH_DEPTH) or []
-        tokens = tokens[:slots]
+    def completion(self, position: int, slots: int) -> list[int]:
+        """The completion kept for the state before canvas `position` (the matcher's now) when
+        it fits in `slots` tokens, its end-of-sequence token included when one more fits."""
+        tokens = (self.search.path_after(position - 1) or [])[:slots]
         if len(tokens) < slots:
             tokens = tokens + [min(self.stop_ids)]
         return tokens
 
-    def accept(self, token: int, position: int, limit: int) -> bool:
-        """Accept the allowed `token` at canvas `position` unless the value could then no
-        longer be completed, with its end-of-sequence token, before `limit` (False: the
-        state is left unchanged, for a completion from here)."""
-        self.matcher.accept_token(token)
+    def accept(self, token: int, position: int, limit: int) -> bool | None:
+        """Accept `token` at canvas `position` if the grammar takes it (None: it does not) and
+        the value can then still be completed, with its end-of-sequence token, before `limit`
+        (False: it cannot, but it can from here: write `completion`). The state is unchanged
+        unless the result is True."""
+        if not self.matcher.accept_token(token):
+            return None
         if token in self.stop_ids:
             return True
         # one slot stays free for the end-of-sequence token, so a complete value ends "stop"
         slots = limit - position - 2
         if slots >= 2 * self.close_estimate + CLOSE_MARGIN:
             return True                          # far from the end: nothing to check yet
-        after = self.search.length_after(position, token)
-        if after is None or after <= slots:
-            self.close_estimate = after or self.close_estimate
+        after = self.search.path_after(position, token)
+        if after is None or len(after) <= slots:
+            self._estimate(after)
             return True                          # it fits, or the search gave up: keep it
         self.matcher.rollback(1)
         self.search.forget_from(position)
-        before = self.search.length_after(position - 1)
-        if before is None or before > limit - position - 1:
+        before = self.search.path_after(position - 1)
+        if before is None or len(before) > limit - position - 1:
             self.matcher.accept_token(token)     # no better way either: keep it
             return True
         return False
+
+    def _estimate(self, path: list[int] | None) -> None:
+        if path is not None:
+            self.close_estimate = len(path)
 
     def restrict(self, row: torch.Tensor) -> None:
         """Set every token the grammar forbids at the frontier to -inf in `row` [V], in place."""
         import xgrammar as xgr
 
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        xgr.apply_token_bitmask_inplace(row[None, : self.vocab_size], self.bitmask)
+        bitmask = self.search.bitmask                  # [1, ceil(V / 32)] int32, shared
+        self.matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(row[None, : self.vocab_size], bitmask)
         if row.shape[0] > self.vocab_size:             # a padded LM head's extra columns
             row[self.vocab_size:] = float("-inf")
 
@@ -130,7 +125,7 @@ class GrammarState:
             self.search.forget_from(position)
             # the estimate came from a later state: take this one's (a shorter value needs
             # fewer slots, so a stale estimate would start the checks too late)
-            self.close_estimate = self.search.length_after(position - 1) or self.close_estimate
+            self._estimate(self.search.path_after(position - 1))
 
 
 def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
@@ -139,7 +134,7 @@ def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
     saved = []
     with torch.inference_mode():                  # the runner's logits are inference tensors
         for state, logits, index in rows:
-            if index < 0 or state.terminated:
+            if index < 0:
                 continue
             start = time.perf_counter()
             saved.append((logits, index, logits[index].clone()))
@@ -192,9 +187,6 @@ def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecisio
     old, vs, mask = view.tokens, view.view_start, view.mask_id
     new = _apply(d, old, mask)
     end = min(view.limit, vs + old.shape[0])
-    if state.terminated:                     # nothing after the value may change
-        new[max(state.frontier, vs) - vs: end - vs] = old[max(state.frontier, vs) - vs: end - vs]
-        return _as_decision(d, old, new, mask, stop=d.stop)
     frontier = state.frontier
     changed = (new != old).nonzero().flatten() + vs
     changed = changed[changed < frontier]
@@ -205,27 +197,24 @@ def _constrain(state: GrammarState, view: ViewRow, d: RowDecision) -> RowDecisio
     p, stop = max(state.frontier, vs), False
     while p < end:
         i = p - vs
-        token = int(new[i])
+        token, before = int(new[i]), int(old[i])
         if token == mask:
             # a hole in the prefix (a check remasked it), or the frontier when nothing else
-            # advanced it this step
-            if p > frontier:
+            # advanced it this step; without a row to draw from, the remask is undone
+            if p > frontier or not (view.drawable[i] or before != mask):
                 break
-            if view.drawable[i]:
-                token = state.draw(view.logits[i], view.temperature, view.generator)
-            elif int(old[i]) != mask and state.allows(int(old[i])):
-                token = int(old[i])              # no row to draw from: the remask is undone
-            else:
-                break
-        elif not state.allows(token):
-            before = int(old[i])
-            if before != token and before != mask and state.allows(before):
-                token = before                   # veto the revision: the old token still fits
-            elif view.drawable[i]:
-                token = state.draw(view.logits[i], view.temperature, view.generator)
-            else:
-                break
-        if not state.accept(token, p, view.limit):
+            token = (state.draw(view.logits[i], view.temperature, view.generator)
+                     if view.drawable[i] else before)
+        accepted = state.accept(token, p, view.limit)
+        if accepted is None and before not in (token, mask):
+            token = before                       # veto the revision if the old token fits
+            accepted = state.accept(token, p, view.limit)
+        if accepted is None and view.drawable[i]:
+            token = state.draw(view.logits[i], view.temperature, view.generator)
+            accepted = state.accept(token, p, view.limit)
+        if accepted is None:
+            break
+        if accepted is False:
             p = _close(state, new, p, vs, end, view.limit)   # write a completion that fits
             stop = p > i + vs and int(new[p - 1 - vs]) in state.stop_ids
             break
@@ -245,7 +234,7 @@ def _close(state: GrammarState, new: torch.Tensor, p: int, vs: int, end: int,
            limit: int) -> int:
     """Write the grammar's completion from canvas position `p` (and an end-of-sequence token
     when it fits); returns the position after the last token accepted."""
-    tokens = state.completion(limit - p)
+    tokens = state.completion(p, limit - p)
     for token in tokens:
         if p >= end:
             break
