@@ -17,6 +17,7 @@ PACKAGE = Path(cover_vllm.__file__).parent
 LAYERS = [
     ("foundation", ["cover_vllm.logger", "cover_vllm.outputs", "cover_vllm.cache_refresh",
                     "cover_vllm.config", "cover_vllm.sampling_params", "cover_vllm.step_plan",
+                    "cover_vllm.host_transfer",
                     "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args"]),
     ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops"]),
     ("strategies", ["cover_vllm.strategies", "cover_vllm.structured_output"]),

@@ -21,6 +21,7 @@ from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
 from cover_vllm.flops import FlopModel, item_shape
+from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import resolve_engine_model
 from cover_vllm.models.loader import build_model, resolve_dtype
@@ -36,6 +37,7 @@ from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
+from cover_vllm.worker.worker import rank_device
 
 logger = init_logger(__name__)
 
@@ -70,6 +72,14 @@ def _load_tokenizer(path, required: bool = False):
     from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
 
     return load_tokenizer(path) if required or has_tokenizer(path) else None
+
+
+def request_generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A request's own random stream, on the device where its decisions are made (None on the
+    shapes-only "meta" device, which draws no values)."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @functools.cache
@@ -120,6 +130,8 @@ class Engine:
         self._observers: list[StepObserver] = []
         self._times: StepTimes | None = None
         self._grammar_backend: GrammarBackend | None = None
+        self.device = torch.device(rank_device(config.device, 0))   # where the logits live
+        self.transfer = HostTransfer()           # the decisions' copy to the host, counted
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -170,7 +182,7 @@ class Engine:
                  params: SamplingParams, strategy) -> Request:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
-        generator = torch.Generator().manual_seed(seed)
+        generator = request_generator(self.device, seed)
         refresh = (self.refresh_policy if params.cache_refresh is None
                    else parse_cache_refresh(params.cache_refresh))
         req = Request(request_id, text, ids, params, strategy, generator,
@@ -270,14 +282,21 @@ class Engine:
         clock.lap("schedule")
         self._notify("on_schedule", out)
         result = self.executor.execute_model(out)
+        if self._observers and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
         clock.lap("forward")
         self._account(out, result)
-        decisions = self.stage.decide(out, self._requests, result, self._observers)
+        copies, moved = self.transfer.copies, self.transfer.bytes
+        decisions = self.stage.decide(out, self._requests, result, self._observers,
+                                      self.transfer)
         clock.lap("strategy")
         outputs = self._apply(out, decisions)
         clock.lap("update")
         if self._observers:
-            self._notify("on_step", StepRecord.of(clock.laps, result.prepare_s, out))
+            self._notify("on_step", StepRecord.of(
+                clock.laps, result.prepare_s, out,
+                host_copies=result.host_copies + self.transfer.copies - copies,
+                host_bytes=result.host_bytes + self.transfer.bytes - moved))
         return outputs
 
     def schedule(self) -> SchedulerOutput:

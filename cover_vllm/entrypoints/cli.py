@@ -104,7 +104,8 @@ def _bench_spec(args: argparse.Namespace):
                           reference_prompts=getattr(args, "reference_prompts", 0),
                           decoding_params=tuple(params.items()),
                           repeats=getattr(args, "timed_runs", 1),
-                          quantization=args.quantization)
+                          quantization=args.quantization, device=args.device,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -209,9 +210,11 @@ def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> N
         p.add_argument("--dtype", type=dtypes, default=("auto",),
                        help="weights and activations, comma-separated to compare (auto: the "
                        "checkpoint's torch_dtype); MFU is against the peak GEMM rate in each")
-        add_engine_flags(p, ["num_threads", "seed", "quantization"])
+        add_engine_flags(p, ["num_threads", "seed", "quantization", "device",
+                             "kv_cache_memory_bytes"])
     else:
-        add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization"])
+        add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization", "device",
+                             "kv_cache_memory_bytes"])
     p.add_argument("--json", default=None, help="write the results here")
 
 
