@@ -112,23 +112,26 @@ class StepBatch:
         return self.logits.device
 
     @property
+    def rows(self) -> CanvasRows:
+        """The canvas rows on the logits' device."""
+        return CanvasRows(self.tokens, self.valid, self.in_block, self.is_gen, self.seeds,
+                          self.mask_id)
+
+    @property
     def host(self) -> CanvasRows:
         """tokens / valid / in_block / is_gen / seeds as host tensors, for per-request counts."""
         if self.host_rows is not None:
             return self.host_rows
         assert self.tokens.device.type == "cpu", "a device batch carries its host rows"
-        return CanvasRows(self.tokens, self.valid, self.in_block, self.is_gen, self.seeds,
-                          self.mask_id)
+        return self.rows
 
     @property
     def masked(self) -> torch.Tensor:
-        """[n, W] bool: view positions holding [MASK]."""
-        return (self.tokens == self.mask_id) & self.valid
+        return self.rows.masked
 
     @property
     def candidates(self) -> torch.Tensor:
-        """[n, W] bool: masked positions of the current block (what may be committed)."""
-        return self.masked & self.in_block
+        return self.rows.candidates
 
 
 @dataclass
