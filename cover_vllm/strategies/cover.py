@@ -250,10 +250,12 @@ class Cover(Strategy):
         if p.max_draft is not None:
             draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
         # each seed's leave-one-out row: its argmax, that one's probability, its own token's
-        best = rows.put(probs.argmax(-1), 0)
-        conf = rows.put(probs.amax(-1), 0.0)
-        own_token = rows.take(batch.tokens).clamp(max=probs.shape[-1] - 1)
-        own = rows.put(probs.gather(-1, own_token[:, None])[:, 0], 0.0)
+        checks = Rows(seeds, within=rows)
+        loo = checks.take(probs)                                             # [S, V]
+        best = checks.put(loo.argmax(-1), 0)
+        conf = checks.put(loo.amax(-1), 0.0)
+        own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
+        own = checks.put(loo.gather(-1, own_token[:, None])[:, 0], 0.0)
         keep, deferred, replace, remask = self._judge(batch, seeds, draft, best, conf, own)
         state = {"keep": keep, "deferred": deferred, "draft_conf": cand_conf, "conf": conf,
                  "own": own}
