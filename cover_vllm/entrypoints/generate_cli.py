@@ -17,6 +17,7 @@ from cover_vllm.entrypoints.cli_types import ints, json_obj, positive_int
 from cover_vllm.entrypoints.engine_flags import (MODEL_HELP, add_engine_flags,
                                                   add_vllm_only_flags, engine_kwargs)
 from cover_vllm.outputs import CompletionOutput, Logprob
+from cover_vllm.sampling_params import MAX_LOGPROBS, MAX_N
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -106,11 +107,11 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (0, 1]")
     g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely "
                    "tokens (-1: off)")
-    g.add_argument("--n", type=int, default=1, help="outputs for the prompt, 1 to 64, each "
-                   "its own canvas; output i draws from seed + i")
+    g.add_argument("--n", type=int, default=1, help=f"outputs for the prompt, 1 to {MAX_N}, "
+                   "each its own canvas; output i draws from seed + i")
     g.add_argument("--logprobs", type=int, default=None, help="print every generated token's "
-                   "logprob and the k most likely tokens at its step, k from 0 to 20 "
-                   "(default: off)")
+                   f"logprob and the k most likely tokens at its step, k from 0 to "
+                   f"{MAX_LOGPROBS} (default: off)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeat for several); the output ends before it")
     g.add_argument("--stop-token-ids", type=ints, default=None,
