@@ -30,6 +30,7 @@ LAYERS = [
     ("command line", ["cover_vllm.entrypoints.__init__", "cover_vllm.entrypoints.llm",
                       "cover_vllm.entrypoints.cli", "cover_vllm.entrypoints.cli_types",
                       "cover_vllm.entrypoints.engine_flags", "cover_vllm.entrypoints.serve_cli",
+                      "cover_vllm.entrypoints.generate_cli",
                       "cover_vllm.__main__"]),
 ]
 

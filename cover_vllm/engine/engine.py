@@ -156,16 +156,7 @@ class Engine:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
-        total = len(ids) + params.max_tokens
-        kind = self.spec.attention
-        if kind.is_block_causal:          # the canvas runs on to its last block's end
-            block = params.block_length or kind.block_size
-            total = -(-total // block) * block
-        if total > self.spec.max_model_len:
-            whose = "the model's" if self.config.max_model_len is None else "the engine's"
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"needs a {total}-token canvas, beyond {whose} max length "
-                             f"max_model_len={self.spec.max_model_len}")
+        self._check_length(len(ids), params)
         if params.n == 1:
             self._queue([self._request(request_id, text, ids, params, strategy)])
             return
@@ -177,6 +168,23 @@ class Engine:
                      for i, cid in enumerate(parent.child_ids)])
         self._parents[request_id] = parent
         self._parent_of.update(dict.fromkeys(parent.child_ids, parent))
+
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> None:
+        """ValueError naming the field at fault when the canvas exceeds max_model_len: the
+        prompt when it leaves no room for a single token, else max_tokens."""
+        kind, limit = self.spec.attention, self.spec.max_model_len
+        block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
+        room = limit // block * block - prompt_len   # block-causal: canvases end on a block
+        whose = "the model's" if self.config.max_model_len is None else "the engine's"
+        if room < 1:
+            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a generated "
+                             f"token within {whose} max length max_model_len={limit}: "
+                             "shorten the prompt")
+        if params.max_tokens > room:
+            total = -(-(prompt_len + params.max_tokens) // block) * block
+            raise ValueError(f"max_tokens ({params.max_tokens}) + prompt ({prompt_len} tokens) "
+                             f"needs a {total}-token canvas, beyond {whose} max length "
+                             f"max_model_len={limit}: give max_tokens <= {room}")
 
     def _request(self, request_id: str, text: str | None, ids: list[int],
                  params: SamplingParams, strategy) -> Request:

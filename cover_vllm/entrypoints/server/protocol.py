@@ -19,12 +19,11 @@ from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.entrypoints.server.structured import (ResponseFormat, StructuredOutputsFields,
                                                       check_one_constraint, constraint,
                                                       constraint_field)
-from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_n
 from cover_vllm.strategies import STRATEGIES
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
-MAX_N = 64                         # choices per prompt (SamplingParams.n)
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
 
@@ -86,9 +85,8 @@ class SamplingFields(_Strict):
     @field_validator("n")
     @classmethod
     def _n(cls, value):
-        if value is not None and not 1 <= value <= MAX_N:
-            raise ValueError(f"n (choices per prompt) must be an integer from 1 to {MAX_N}, "
-                             f"got {value}")
+        if value is not None:
+            check_n(value)          # SamplingParams' own rule: 1 to MAX_N, with the reason
         return value
 
     @field_validator("frequency_penalty", "presence_penalty")
