@@ -13,6 +13,7 @@ machine whose speed drifts slows every row alike), and its row reports the run o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -78,7 +79,8 @@ class ThroughputRow:
     flip_flops: float
     peak_kv_pages: int
     overhead_fraction: float           # share of step time outside the model forward
-    mfu: float                         # model FLOPs / time / measured matmul peak in `dtype`
+    mfu: float | None                  # model FLOPs / time / measured matmul peak in `dtype`
+                                       # (None on the shapes-only "meta" device)
     speedup_vs_reference: float | None
     seconds: float
     gflops_per_token: float            # model FLOPs spent per useful token
@@ -86,9 +88,9 @@ class ThroughputRow:
                                             # speed-up at equal MFU
     refreshes: float = 0.0             # full-canvas forwards per request
     flops_per_token: float = 0.0       # model FLOPs / generated slots (cover_vllm/flops.py)
-    mfu_bound: float = 1.0             # the roofline: the highest MFU these forwards can reach
+    mfu_bound: float | None = 1.0      # the roofline: the highest MFU these forwards can reach
                                        # streaming their weights at the measured read rate
-    mbu: float = 0.0                   # weight bytes read per second / the measured read rate
+    mbu: float | None = 0.0            # weight bytes read per second / the measured read rate
     repeats: int = 1                   # timed runs; the time-derived fields are the median run's
     tokens_per_s_runs: tuple[float, ...] = ()   # every run's tokens/s, in run order
     prefix_hit_rate: float | None = None   # prompt tokens found in the prefix cache / looked
@@ -293,10 +295,11 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
             prefix_hit_rate=prefix_hit_rate(ms), host_ms_per_step=host_ms,
             host_bytes_per_step=host_bytes)
+        if spec.device == "meta":           # no arithmetic ran: rates against peaks mean nothing
+            row = dataclasses.replace(row, mfu=None, mfu_bound=None, mbu=None)
         report["results"].append(asdict(row))
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-            f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "
-            f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
+            f"{row.tokens_per_s:8.1f} tok/s  {_rates(row)}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
             f"{overhead:.0%}  host {host_ms:.1f} ms/step, {host_bytes / 1e3:.1f} kB/step to "
             f"the host  ({seconds:.1f}s{_spread(row)})")
@@ -309,6 +312,12 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             runs[combo].append(_measure(llm, work, work.params(spec, decoding, (kv, refresh))))
             if last:
                 record(combo, runs[combo])
+
+
+def _rates(row: ThroughputRow) -> str:
+    if row.mfu is None:
+        return "MFU - (shapes only)"
+    return f"MFU {row.mfu:.0%} (bound {row.mfu_bound:.0%}, MBU {row.mbu:.0%})"
 
 
 def _spread(row: ThroughputRow) -> str:
