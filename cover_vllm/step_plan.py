@@ -104,3 +104,5 @@ class ModelRunnerOutput:
     cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
                                     # rows' attention on keys outside the view (None: no such row)
     column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key
+    scores: list | None = None    # per SchedulerOutput.score_items entry: its ScoreResult
+                                  # (likelihood scoring, cover_vllm/scoring/)

@@ -17,6 +17,7 @@ from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput,
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
+from cover_vllm.worker.scoring import ScoreLayout, lay_out_scores, score_forward
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 
@@ -34,6 +35,7 @@ class _Layout:
     stat_rows: list[torch.Tensor] = field(default_factory=list)   # per canvas [window_len]
                                        # bool: rows whose attention the stats layer sums
     edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
+    scores: ScoreLayout | None = None   # scoring sequences, after the generation windows
 
 
 class _Stats:
@@ -96,6 +98,9 @@ class ModelRunner:
                 lay.stat_rows.append(self._stat_rows(item, canvas) if measured
                                      else torch.zeros(n, dtype=torch.bool))
                 offset += n
+        if out.score_items:                        # likelihood scoring (worker/scoring.py)
+            lay.scores, offset = lay_out_scores(out.score_items, lay.seqs, lay.ids,
+                                                lay.positions, offset)
         for item in out.items:                     # extra rows follow every window (attention)
             if item.extra is None:
                 lay.extra_rows.append(None)
@@ -148,7 +153,7 @@ class ModelRunner:
         positions = torch.cat(lay.positions).to(device)
         meta = build_metadata(lay.seqs, device)
         extra_rows = [r for r in lay.extra_rows if r is not None]
-        logit_rows = torch.cat(lay.rows + extra_rows).to(device)
+        logit_rows = torch.cat(lay.rows + extra_rows).to(device) if out.items else None
         prepare_s = time.perf_counter() - start
         stats = None
         if any(item.want_stats or item.want_mass for item in out.items):
@@ -160,6 +165,9 @@ class ModelRunner:
             edits = [(flat.to(device), edit) for flat, edit in lay.edits]
             embeds = apply_embed_edits(self.model.embed, embeds, edits)
         hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+        scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores)
+        if not out.items:                          # a scoring-only forward
+            return ModelRunnerOutput([], prepare_s=prepare_s, scores=scores)
         logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         sizes = [r.numel() for r in lay.rows + extra_rows]
         if any(valid is not None for valid in lay.row_valid):
@@ -176,11 +184,12 @@ class ModelRunner:
         if extra_rows:                             # what is left: the extra rows, item order
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
-            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
+            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits,
+                                     scores=scores)
         drift, attn_in, mass, columns = self._split_stats(out, stats.to_host())
         return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
                                  extra_logits=extra_logits, cached_mass=mass,
-                                 column_mass=columns)
+                                 column_mass=columns, scores=scores)
 
     def _attention(self, meta, stats: _Stats | None):
         """The AttentionFn of one forward: the paged backend over this runner's cache, which
