@@ -90,7 +90,7 @@ def test_batch_never_changes_a_value(llada, llada_dir):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    assert done["score"].logprob == pytest.approx(alone, abs=1e-9)
+    assert done["score"].logprob == pytest.approx(alone, abs=1e-5)   # same draws; fp32 sums
     assert len(done["gen"].outputs[0].token_ids) == 8
     small = LLM(llada_dir, dtype="float32", max_num_seqs=3,
                 kv_cache_memory_bytes=8 << 20)
