@@ -16,8 +16,8 @@ from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.page_pool import PagePool
-from cover_vllm.scoring.queue import ScoreQueue
-from cover_vllm.scoring.request import scoring_request
+from cover_vllm.scheduler.score_queue import ScoreQueue
+from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.worker.worker import Worker
 from golden_cases import GOLDEN
 from test_tensor_parallel import _config, _in_threads, _model_dir

@@ -34,7 +34,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
-from cover_vllm.scoring.request import scoring_request
+from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory

@@ -22,7 +22,7 @@ from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
 from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
-from cover_vllm.scoring.queue import ScoreQueue
+from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
 

@@ -27,7 +27,7 @@ from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
 from cover_vllm.scoring.items import ScoreItem, ScoreResult
 from cover_vllm.scoring.params import LoglikelihoodOutput
-from cover_vllm.scoring.request import ScoringRequest, SharedPrefix
+from cover_vllm.scheduler.score_request import ScoringRequest, SharedPrefix
 
 
 class ScoreQueue:
