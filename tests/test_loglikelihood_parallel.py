@@ -10,17 +10,12 @@ import pytest
 import torch
 
 from cover_vllm import LLM, LoglikelihoodParams
-from cover_vllm.distributed.comm import GroupComm
-from cover_vllm.distributed.tensor_parallel import TensorParallel
-from cover_vllm.models.builtin import resolve_model
-from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.scheduler.score_request import scoring_request
-from cover_vllm.worker.worker import Worker
 from golden_cases import GOLDEN
-from test_tensor_parallel import _config, _in_threads, _model_dir
+from test_tensor_parallel import _in_threads, _model_dir, thread_ranks
 
 CASES = json.loads((GOLDEN / "llada" / "loglikelihood.json").read_text())
 
@@ -42,15 +37,7 @@ def _score_step(family: str, config, spec, num_pages: int) -> SchedulerOutput:
 
 @pytest.mark.parametrize("family", ["llada", "sdar"])
 def test_sharded_scoring_matches_unsharded_in_threads(family):
-    config = _config(family)
-    resolved = resolve_model(config.model)
-    spec = ModelSpec.from_config(resolved.config)
-    full = Worker(config, resolved, spec)
-    comms = [GroupComm(r, 2, timeout_s=30) for r in range(2)]
-    ranks = [Worker(config, resolved, spec, TensorParallel(r, 2, comms[r])) for r in range(2)]
-    port = comms[0].serve_store("127.0.0.1")
-    _in_threads(lambda r: comms[r].connect("127.0.0.1", port), 2)
-    try:
+    with thread_ranks(family) as (config, spec, full, ranks):
         out = _score_step(family, config, spec, full.num_pages)
         want = full.execute_model(out).scores
         got = _in_threads(lambda r: ranks[r].execute_model(out), 2)
@@ -58,9 +45,6 @@ def test_sharded_scoring_matches_unsharded_in_threads(family):
         for g, w in zip(got[0].scores, want):
             assert torch.allclose(g.token_loss, w.token_loss, rtol=1e-5, atol=1e-4)
             assert g.greedy == w.greedy
-    finally:
-        for c in comms:
-            c.close()
 
 
 @pytest.mark.slow   # worker processes

@@ -27,11 +27,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from cover_vllm.engine.driver import Submission
-from cover_vllm.entrypoints.server.errors import APIError, from_value_error, server_error
+from cover_vllm.entrypoints.server.errors import APIError
 from cover_vllm.entrypoints.server.protocol import CompletionRequest
 from cover_vllm.entrypoints.server.responses import MIN_LOGPROB, completion_logprobs
 from cover_vllm.entrypoints.server.serving import (ServingContext, collect, sampling_params,
-                                                   submit_all)
+                                                   submit, submit_all)
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scoring.prompts import encode_pair
 
@@ -103,22 +103,6 @@ def _pairs(ctx: ServingContext, req: CompletionRequest,
     return pairs
 
 
-async def _submit(ctx: ServingContext, subs: list[Submission]):
-    streams = []
-    try:
-        for sub in subs:
-            streams.append(await ctx.loop.submit(sub))
-    except BaseException as exc:
-        for s in streams:
-            ctx.loop.abort(s.request_id)
-        if isinstance(exc, (ValueError, TypeError)):
-            raise from_value_error(exc, default_param="prompt") from exc
-        if isinstance(exc, Exception):
-            raise server_error(f"the engine refused the request: {exc}") from exc
-        raise
-    return streams
-
-
 def _token_text(ctx: ServingContext, token: int) -> str:
     if ctx.tokenizer is None:
         return f"token_id:{token}"
@@ -182,7 +166,7 @@ async def create_echo_completion(ctx: ServingContext, request: Request,
                          for i in range(1, len(ids))]
             groups.append(group)
             subs += group
-    streams = await _submit(ctx, subs)
+    streams = await submit(ctx, subs)
     if gen_params is not None:
         streams += await submit_all(ctx, base_id, prompts, gen_params)
     outs = await collect(ctx, streams, request) if streams else []

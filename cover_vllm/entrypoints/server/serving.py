@@ -120,10 +120,16 @@ def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
 
 async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                      params: list[SamplingParams]) -> list[ResultStream]:
+    return await submit(ctx, [Submission(f"{base_id}-{i}", ids, p)
+                              for i, (ids, p) in enumerate(zip(prompts, params))])
+
+
+async def submit(ctx: ServingContext, subs: list[Submission]) -> list[ResultStream]:
+    """Queue every submission, or (one was refused) none: a 400 for bad input."""
     streams: list[ResultStream] = []
     try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams.append(await ctx.loop.submit(Submission(f"{base_id}-{i}", ids, p)))
+        for sub in subs:
+            streams.append(await ctx.loop.submit(sub))
     except BaseException as exc:
         for s in streams:
             ctx.loop.abort(s.request_id)
