@@ -212,3 +212,20 @@ def test_logprobs_needs_one_token(llada):
     with pytest.raises(ValueError, match="one-token continuation"):
         llada.loglikelihood({"context_token_ids": [1], "continuation_token_ids": [2, 3]},
                             LoglikelihoodParams(mc_num=2, batch_size=2, logprobs=1))
+
+
+def test_bench_loglikelihood_command(tmp_path, capsys):
+    """`cover-vllm bench loglikelihood` at toy sizes: both tables and the JSON report."""
+    from cover_vllm.entrypoints.cli import main
+
+    out = tmp_path / "ll.json"
+    assert main(["bench", "loglikelihood", "--mc-num", "8", "--batch-size", "8",
+                 "--questions", "2", "--reference-requests", "2", "--rate-problems", "3",
+                 "--block-model", str(GOLDEN / "sdar" / "model"), "--block-context", "16",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "official req/s" in table and "6-way rate at mc_num 8" in table
+    report = json.loads(out.read_text())
+    shared, unshared = report["block_causal"][1], report["block_causal"][0]
+    assert shared["rows_per_request"] < unshared["rows_per_request"] \
+        < unshared["official_rows_per_request"]

@@ -52,11 +52,13 @@ def _logits_fn(llm: LLM):
 
 def _time_engine(llm: LLM, reqs: list, params: LoglikelihoodParams) -> dict:
     llm.reset_prefix_cache()
+    llm.engine.step_times = []                    # one row per engine step (forward)
     start = time.perf_counter()
     outs = llm.loglikelihood(reqs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    steps = max(o.metrics.nfe for o in outs)      # the engine's forwards: every request's
-    return {"seconds": seconds, "requests_per_s": len(reqs) / seconds,   # steps overlap
+    steps = len(llm.engine.step_times)
+    llm.engine.step_times = None
+    return {"seconds": seconds, "requests_per_s": len(reqs) / seconds,
             "forwards": steps, "forwards_per_s": steps / seconds,
             "copies_per_s": len(reqs) * params.mc_num / seconds,
             "rows": sum(o.metrics.forward_tokens for o in outs), "outputs": outs}
