@@ -88,6 +88,7 @@ def test_model_args_errors_name_the_field() -> None:
         harness.CoverVLLM.create_from_arg_string("pretrained=cover-tiny,mc_num=10,batch_size=4")
 
 
+@pytest.mark.slow   # a fresh interpreter; lm-eval's CLI indexes its built-in tasks
 def test_cover_vllm_lm_eval_command(task_dir, tmp_path) -> None:
     out = tmp_path / "results"
     proc = subprocess.run(
