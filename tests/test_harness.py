@@ -119,3 +119,24 @@ def test_local_completions_against_the_server(task_dir) -> None:
     finally:
         server.stop()
     assert results["cover_arith_mc"]["acc,none"] >= 0.9
+
+
+def test_loglikelihood_rolling_windows_and_generate_until() -> None:
+    """A text longer than the model's max length is scored in disjoint windows (their sum);
+    generate_until stops at the task's `until` and honours a decoder knob from model_args."""
+    from types import SimpleNamespace
+
+    lm = harness.CoverVLLM.create_from_arg_string(
+        "pretrained=cover-tiny,mc_num=8,batch_size=8,decoding=threshold,threshold=0.9")
+    limit = lm.llm.engine.spec.max_model_len
+    short, long = "384+250=634\n", "1+2=3\n" * (limit // 2)
+    assert len(lm.tokenizer.encode(long, add_special_tokens=False)) > limit
+    values = lm.loglikelihood_rolling([SimpleNamespace(args=(short,)),
+                                       SimpleNamespace(args=(long,))], disable_tqdm=True)
+    assert all(v < 0 for v in values) and values[1] < values[0]
+    ctx = chat_context(lm.tokenizer)("384+250=")
+    text, = lm.generate_until([SimpleNamespace(args=(ctx, {"until": ["\n"],
+                                                            "max_gen_toks": 32}))],
+                              disable_tqdm=True)
+    assert "\n" not in text and text
+    assert lm.llm.engine.stage.strategy("threshold", {"threshold": 0.9}) is not None
