@@ -111,11 +111,11 @@ class ScoringRequest:
     def next_item(self) -> tuple[ScoreItem, list[int]]:
         """This step's work item, and the copies it runs."""
         seqs: list[ScoreSeq] = []
-        for prefix in self.prefixes:          # the first request to run a prefix writes it
-            if not prefix.ready and prefix.writer in (None, self.request_id):
+        for variant, prefix in enumerate(self.prefixes):   # the first request to run a
+            if not prefix.ready and prefix.writer in (None, self.request_id):   # prefix writes it
                 prefix.writer = self.request_id
                 start = prefix.written_end
-                tokens = self.variant_tokens(self.prefixes.index(prefix))[start:prefix.end]
+                tokens = self.variant_tokens(variant)[start:prefix.end]
                 seqs.append(ScoreSeq(start, tokens, prefix.slots))
         copies = list(range(self.next_copy, min(self.next_copy + len(self.slots),
                                                 self.draws.num_copies)))
