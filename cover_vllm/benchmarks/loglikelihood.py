@@ -88,6 +88,23 @@ def _ids(llm: LLM, pairs: list[tuple[str, str]]) -> list[dict]:
             for p in pairs]
 
 
+def _greedy_row(llm: LLM, ids: list[dict], spec: ScoringBenchSpec) -> dict:
+    """The greedy check's cost: the engine stops at the first token that differs, the official
+    check always runs T forwards (one canvas each)."""
+    mc = spec.mc_nums[0]
+    base = LoglikelihoodParams(mc_num=mc, batch_size=min(spec.batch_size, mc), seed=spec.seed)
+    plain = _time_engine(llm, ids, base)
+    greedy = _time_engine(llm, ids, LoglikelihoodParams(
+        mc_num=mc, batch_size=base.batch_size, seed=spec.seed, check_greedy=True))
+    outs = greedy.pop("outputs")
+    return {"mc_num": mc, "seconds_without": plain["seconds"], "seconds_with": greedy["seconds"],
+            "greedy_forwards_per_request": sum(o.metrics.greedy_forwards for o in outs)
+            / len(outs),
+            "official_greedy_forwards_per_request": sum(len(o.continuation_token_ids)
+                                                        for o in outs) / len(outs),
+            "greedy_rate": sum(o.is_greedy for o in outs) / len(outs)}
+
+
 def _rate(llm: LLM, spec: ScoringBenchSpec, mc: int) -> dict:
     problems = arith_choices(spec.rate_problems, chat_context(llm.get_tokenizer()))
     reqs = [(p.context, c) for p in problems for c in p.choices]
@@ -150,6 +167,8 @@ def run_loglikelihood_bench(spec: ScoringBenchSpec, log=print) -> dict:
         if spec.rate_problems:
             report["rate"].append(_rate(llm, spec, mc))
             log(f"mc_num={mc}: rate {report['rate'][-1]}")
+    report["greedy"] = _greedy_row(llm, ids, spec)
+    log(f"greedy check: {report['greedy']}")
     llm.shutdown()
     if spec.block_model is not None:
         report["block_causal"] = _block_rows(spec, log)
@@ -165,6 +184,12 @@ def format_loglikelihood(report: dict) -> str:
                      f"{e['forwards_per_s']:.1f} | {e['copies_per_s']:.0f} | "
                      f"{o['requests_per_s']:.2f} | {o['forwards_per_s']:.1f} | "
                      f"{r['speedup']:.1f}x |")
+    g = report.get("greedy")
+    if g:
+        lines.append(f"\ngreedy check at mc_num {g['mc_num']}: "
+                     f"{g['greedy_forwards_per_request']:.1f} forwards per request (official: "
+                     f"T = {g['official_greedy_forwards_per_request']:.1f}); "
+                     f"{g['seconds_without']:.1f} s without it, {g['seconds_with']:.1f} s with it")
     for r in report["rate"]:
         lines.append(f"\n6-way rate at mc_num {r['mc_num']}: {r['rate']:.3f} "
                      f"({r['problems']} problems)")
