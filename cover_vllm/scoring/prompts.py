@@ -11,12 +11,14 @@ ScorePair = tuple[list[int], list[int]]
 def encode_pair(tokenizer, context: str, continuation: str) -> ScorePair:
     """The official `_encode_pair`: trailing whitespace of the context moves to the front of
     the continuation; the continuation's ids are those of context + continuation after the
-    context's own ids (so a merge across the boundary is attributed to the continuation)."""
+    context's own ids (so a merge across the boundary is attributed to the continuation). Both
+    are encoded as the official code calls its tokenizer, with the tokenizer's default special
+    tokens (a BOS, for tokenizers that add one, starts the context)."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-    ctx = tokenizer.encode(context, add_special_tokens=False)
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
     return ctx, whole[len(ctx):]
 
 
