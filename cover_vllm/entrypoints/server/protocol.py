@@ -3,8 +3,8 @@
 Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo such as `decodng`
 is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (penalties,
 best_of > 1, suffix) are accepted only at their neutral value. `echo` (with `logprobs`, the
-prompt's per-token values: likelihood scoring, server/scoring.py) takes `max_tokens` 0. `n`, completions'
-`logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
+prompt's per-token values: likelihood scoring, server/scoring.py) takes `max_tokens` 0. `n`,
+completions' `logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
 `return_token_ids` (vLLM's) adds the token ids to the response. OpenAI's `response_format` and
 vLLM's `structured_outputs` map onto SamplingParams.structured_outputs (structured.py). Limits that
 need the model (prompt + max_tokens <= max length) are checked in serving.py after tokenising.
