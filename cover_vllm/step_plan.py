@@ -105,5 +105,8 @@ class ModelRunnerOutput:
     cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
                                     # rows' attention on keys outside the view (None: no such row)
     column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key
-    host_copies: int = 0          # device-to-host copies the forward made (the mass above)
+    host_copies: int = 0          # device-to-host copies the forward made (the attention
+                                  # mass, the scoring totals)
     host_bytes: int = 0           # and the bytes they moved
+    scores: list | None = None    # per SchedulerOutput.score_items entry: its ScoreResult
+                                  # (likelihood scoring, cover_vllm/scoring/)

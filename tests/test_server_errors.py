@@ -69,7 +69,7 @@ CASES = [
      None),
     ("n zero", C, _c(n=0), 400, "n", None),
     ("n above the cap", C, _c(n=1000), 400, "n", None),
-    ("echo true", C, _c(echo=True), 400, "echo", None),
+    ("echo with stream", C, _c(echo=True, stream=True), 400, "stream", None),
     ("logprobs above the cap", C, _c(logprobs=21), 400, "logprobs", None),
     ("logprobs negative", C, _c(logprobs=-1), 400, "logprobs", None),
     ("decoding_params value wrong type", C, _c(decoding="threshold",

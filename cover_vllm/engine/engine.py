@@ -34,6 +34,8 @@ from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
+from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
+from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
@@ -144,9 +146,18 @@ class Engine:
                     params: SamplingParams) -> None:
         """Queue a request (with params.n > 1: n child requests, engine/parallel_sampling.py;
         their outputs come back under `request_id`). Raises ValueError / TypeError for bad
-        input, having queued nothing."""
-        if request_id in self._requests or request_id in self._parents:
+        input, having queued nothing. With LoglikelihoodParams it is a scoring request: the
+        prompt is {"context_token_ids", "continuation_token_ids"} or a (context,
+        continuation) text pair, and its output a LoglikelihoodOutput (cover_vllm/scoring/)."""
+        if request_id in self._requests or request_id in self._parents \
+                or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(params, LoglikelihoodParams):
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 \
+                + next(self._counter)
+            self.scheduler.scoring.add(scoring_request(self.spec, self.tokenizer, request_id,
+                                                       prompt, params, seed))
+            return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -250,6 +261,8 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids are
         ignored."""
+        if self.scheduler.scoring.abort(request_id):
+            return
         parent = self._parents.get(self._user_id(request_id))
         for rid in parent.child_ids if parent is not None else [request_id]:
             if self.scheduler.abort_request(rid) is not None:
@@ -263,12 +276,13 @@ class Engine:
             del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self.scheduler.scoring.has_unfinished()
 
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
-        (admitted, not finished)."""
+        (admitted, not finished), scoring requests included."""
         ids = [self._user_id(r.request_id) for r in self.scheduler.running]
+        ids += [r.request_id for r in self.scheduler.scoring.running]
         return list(dict.fromkeys(ids))
 
     def _user_id(self, request_id: str) -> str:
@@ -276,16 +290,19 @@ class Engine:
         return request_id if parent is None else parent.request_id
 
     def load(self) -> EngineLoad:
-        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+        scoring = self.scheduler.scoring
+        return EngineLoad(len(self.scheduler.running) + len(scoring.running),
+                          len(self.scheduler.waiting) + len(scoring.waiting),
                           self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | LoglikelihoodOutput]:
         """One engine step. Returns an output for every request that finished in it
-        (`finished=True`) or whose current block became FINAL (`finished=False`, partial)."""
+        (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
+        FINAL (`finished=False`, partial)."""
         clock = StepClock()
         out = self.schedule()
-        if not out.items:
+        if not out.items and not out.score_items:
             return []
         clock.lap("schedule")
         self._notify("on_schedule", out)
@@ -299,6 +316,8 @@ class Engine:
                                       self.transfer)
         clock.lap("strategy")
         outputs = self._apply(out, decisions)
+        if out.score_items:                 # likelihood scoring: fold in the forward's totals
+            outputs += self.scheduler.scoring.update(out.score_items, result.scores)
         clock.lap("update")
         if self._observers:
             self._notify("on_step", StepRecord.of(

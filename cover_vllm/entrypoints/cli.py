@@ -1,4 +1,4 @@
-"""The `cover-vllm` command line: generate, eval, serve, bench (also `python -m cover_vllm`)."""
+"""The `cover-vllm` command line: generate, eval, serve, bench, lm-eval (`python -m cover_vllm`)."""
 
 from __future__ import annotations
 
@@ -299,14 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--dump-logits", default=None, help="save the first forward's logits here")
     sc.add_argument("--json", default=None, help="write the report here")
     sc.set_defaults(func=cmd_bench_scale)
+    from cover_vllm.entrypoints.scoring_cli import add_scoring_parsers
     from cover_vllm.entrypoints.serve_cli import add_serve_parsers
 
     add_serve_parsers(sub, b)
+    add_scoring_parsers(sub, b)
     _help_everywhere(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:          # lm-eval's own command line, our model registered
+        from cover_vllm.entrypoints.scoring_cli import run_lm_eval
+
+        return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -20,6 +20,7 @@ from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput,
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
+from cover_vllm.worker.scoring import ScoreLayout, lay_out_scores, score_forward
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 
@@ -37,6 +38,7 @@ class _Layout:
     stat_rows: list[torch.Tensor] = field(default_factory=list)   # per canvas [window_len]
                                        # bool: rows whose attention the stats layer sums
     edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
+    scores: ScoreLayout | None = None   # scoring sequences, after the generation windows
 
 
 class _Stats:
@@ -87,6 +89,9 @@ class ModelRunner:
                 lay.stat_rows.append(self._stat_rows(item, canvas) if measured
                                      else torch.zeros(n, dtype=torch.bool))
                 offset += n
+        if out.score_items:                        # likelihood scoring (worker/scoring.py)
+            lay.scores, offset = lay_out_scores(out.score_items, lay.seqs, lay.ids,
+                                                lay.positions, offset)
         for item in out.items:                     # extra rows follow every window (attention)
             if item.extra is None:
                 lay.extra_rows.append(None)
@@ -134,12 +139,13 @@ class ModelRunner:
         there, and return the logits (and statistics) the strategies read, on that device."""
         start = time.perf_counter()
         device = self.device
+        copies, moved = self.transfer.copies, self.transfer.bytes
         lay = self._layout(out)
         ids = torch.cat(lay.ids).to(device)
         positions = torch.cat(lay.positions).to(device)
         meta = build_metadata(lay.seqs, device)
         extra_rows = [r for r in lay.extra_rows if r is not None]
-        logit_rows = torch.cat(lay.rows + extra_rows).to(device)
+        logit_rows = torch.cat(lay.rows + extra_rows).to(device) if out.items else None
         prepare_s = time.perf_counter() - start
         stats = None
         if any(item.want_stats or item.want_mass for item in out.items):
@@ -151,6 +157,12 @@ class ModelRunner:
             edits = [(flat.to(device), edit) for flat, edit in lay.edits]
             embeds = apply_embed_edits(self.model.embed, embeds, edits)
         hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+        scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores,
+                                                               self.transfer.fetch)
+        if not out.items:                          # a scoring-only forward
+            return ModelRunnerOutput([], prepare_s=prepare_s, scores=scores,
+                                     host_copies=self.transfer.copies - copies,
+                                     host_bytes=self.transfer.bytes - moved)
         logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         sizes = [r.numel() for r in lay.rows + extra_rows]
         if any(valid is not None for valid in lay.row_valid):
@@ -167,14 +179,16 @@ class ModelRunner:
         if extra_rows:                             # what is left: the extra rows, item order
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
-            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
+            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits,
+                                     scores=scores, host_copies=self.transfer.copies - copies,
+                                     host_bytes=self.transfer.bytes - moved)
         drift, attn_in, columns = self._split_stats(out, stats)
-        moved = self.transfer.bytes
         mass, columns = _cached_mass(out, self.transfer.fetch(columns))
         return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
                                  extra_logits=extra_logits, cached_mass=mass,
-                                 column_mass=columns, host_bytes=self.transfer.bytes - moved,
-                                 host_copies=int(self.transfer.bytes > moved))
+                                 column_mass=columns, scores=scores,
+                                 host_copies=self.transfer.copies - copies,
+                                 host_bytes=self.transfer.bytes - moved)
 
     def _attention(self, meta, stats: _Stats | None):
         """The AttentionFn of one forward: the paged backend over this runner's cache, which

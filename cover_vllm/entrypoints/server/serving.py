@@ -130,10 +130,16 @@ def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
 
 async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                      params: list[SamplingParams]) -> list[ResultStream]:
+    return await submit(ctx, [Submission(f"{base_id}-{i}", ids, p)
+                              for i, (ids, p) in enumerate(zip(prompts, params))])
+
+
+async def submit(ctx: ServingContext, subs: list[Submission]) -> list[ResultStream]:
+    """Queue every submission, or (one was refused) none: a 400 for bad input."""
     streams: list[ResultStream] = []
     try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams.append(await ctx.loop.submit(Submission(f"{base_id}-{i}", ids, p)))
+        for sub in subs:
+            streams.append(await ctx.loop.submit(sub))
     except BaseException as exc:
         for s in streams:
             ctx.loop.abort(s.request_id)
@@ -267,8 +273,13 @@ async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
 
 
 async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
+    from cover_vllm.entrypoints.server import scoring   # echo: the prompt's values (scoring.py)
+
     check_model(ctx, req.model)
+    scoring.check_scoring_fields(req)
     prompts = [tokenize(ctx, p) for p in req.prompt]
+    if req.echo:
+        return await scoring.create_echo_completion(ctx, request, req, prompts)
     return await _respond(ctx, request, req, prompts, chat=False)
 
 
