@@ -58,7 +58,11 @@ def test_generate_takes_token_ids_on_a_block_causal_model(family, decoding, caps
 NOT_GENERATE_FLAGS = {
     "model": "the positional MODEL", "prompt": "--prompt / --prompt-token-ids",
     "stream": "the CLI prints when done", "stream_options": "streaming only",
-    "user": "OpenAI bookkeeping", "echo": "refused by the server too",
+    "user": "OpenAI bookkeeping",
+    "echo": "prompt scoring, not sampling (LLM.loglikelihood offline)",
+    "continuation": "likelihood scoring (LLM.loglikelihood)",
+    "mc_num": "likelihood scoring (LoglikelihoodParams.mc_num)",
+    "mc_batch_size": "likelihood scoring (LoglikelihoodParams.batch_size)",
     "best_of": "refused by the server too", "suffix": "refused by the server too",
     "frequency_penalty": "refused by the server too",
     "presence_penalty": "refused by the server too", "logit_bias": "refused by the server too",
