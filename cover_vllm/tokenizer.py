@@ -111,9 +111,12 @@ class LocalTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = True, return_dict: bool = False,
+                            **kwargs: Any) -> str | list[int] | dict[str, list[int]]:
         """Renders the template as Hugging Face does (sandboxed jinja2, trim/lstrip blocks,
-        special tokens and `raise_exception` in scope); ids without added special tokens."""
+        special tokens and `raise_exception` in scope); ids without added special tokens, as a
+        list, or with `return_dict` as `__call__` gives them (transformers 5's default: pass
+        return_dict=False there for the list)."""
         if not self.chat_template:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template")
         if self._template is None:
@@ -130,7 +133,10 @@ class LocalTokenizer:
         text = self._template.render(messages=list(messages),
                                      add_generation_prompt=add_generation_prompt,
                                      **specials, **kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        return self(text, add_special_tokens=False) if return_dict else self.encode(
+            text, add_special_tokens=False)
 
 
 def _plain_fast_config(path: Path) -> dict | None:
@@ -179,6 +185,6 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> l
                                for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):   # some transformers versions return a BatchEncoding
+    if hasattr(ids, "keys"):   # transformers 5 returns a BatchEncoding by default (4.x: ids)
         ids = ids["input_ids"]
     return [int(i) for i in ids]

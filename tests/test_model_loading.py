@@ -239,9 +239,15 @@ def test_local_tokenizer_matches_hugging_face_on_cover_tiny() -> None:
         assert local(text)["input_ids"] == hf(text)["input_ids"]
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text},
                     {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
-        for gen in (True, False):
+        for gen in (True, False):       # return_dict: transformers 5's default is True, 4's False
             assert local.apply_chat_template(messages, add_generation_prompt=gen) == list(
-                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True))
+                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                       return_dict=False))
+            as_dict = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                             return_dict=True)        # 4.x adds token_type_ids
+            assert local.apply_chat_template(messages, add_generation_prompt=gen,
+                                             return_dict=True) == {
+                k: as_dict[k] for k in ("input_ids", "attention_mask")}
             assert local.apply_chat_template(messages, add_generation_prompt=gen,
                                              tokenize=False) == hf.apply_chat_template(
                 messages, add_generation_prompt=gen, tokenize=False)
