@@ -165,13 +165,38 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> An
     config = _plain_fast_config(path)
     if config is not None:
         return LocalTokenizer(path, config)
+    return hf_tokenizer(path, trust_remote_code)
+
+
+def hf_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    """The Hugging Face class for the tokenizer in `path` (local files only): what
+    `load_tokenizer` returns when `LocalTokenizer` does not apply."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    kwargs = {"local_files_only": True, **_extra_special_tokens(path)}
     if (path / "tokenizer.json").is_file() and not trust_remote_code and _names_custom_class(path):
         # tokenizer.json is self-contained; the custom class is not executed.
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                         trust_remote_code=trust_remote_code)
+        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _extra_special_tokens(path: Path) -> dict[str, list[str]]:
+    """tokenizer_config.json's `additional_special_tokens` under transformers 5's name.
+
+    transformers 5 renamed the key to `extra_special_tokens`, and up to 5.17 at least (5.24 is
+    fixed) drops the old one when the file also holds the new one, which transformers 4.5x
+    writes as `{}`: the tokens (cover-tiny's chat roles) stop being special, so they leave
+    `all_special_ids` (structured outputs blank those) and `skip_special_tokens` keeps them."""
+    import transformers
+
+    config_path = path / "tokenizer_config.json"
+    if int(transformers.__version__.split(".")[0]) < 5 or not config_path.is_file():
+        return {}
+    config = json.loads(config_path.read_text())
+    tokens = config.get("additional_special_tokens")
+    if not tokens or config.get("extra_special_tokens"):
+        return {}
+    return {"extra_special_tokens": [_token_text(t) for t in tokens]}
 
 
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
