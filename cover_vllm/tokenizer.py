@@ -183,9 +183,9 @@ def hf_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
 def _extra_special_tokens(path: Path) -> dict[str, list[str]]:
     """tokenizer_config.json's `additional_special_tokens` under transformers 5's name.
 
-    transformers 5 renamed the key to `extra_special_tokens`, and up to 5.17 at least (5.24 is
-    fixed) drops the old one when the file also holds the new one, which transformers 4.5x
-    writes as `{}`: the tokens (cover-tiny's chat roles) stop being special, so they leave
+    transformers 5 renamed the key to `extra_special_tokens`, and 5.0 through 5.17 (5.18 fixed
+    it) drop the old one when the file also holds the new one, which transformers 4.5x writes
+    as `{}`: the tokens (cover-tiny's chat roles) stop being special, so they leave
     `all_special_ids` (structured outputs blank those) and `skip_special_tokens` keeps them."""
     import transformers
 
