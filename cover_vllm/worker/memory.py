@@ -89,14 +89,15 @@ def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
         total = sum(p.numel() * p.element_size() for _, p in named)
         return total, total
     sliced = param_slices(model, 0, world_size)
-    sharded = replicated = 0
+    sharded = replicated = 0                      # sharded: one rank's share of the split
     for name, p in named:
         nbytes = p.numel() * p.element_size()
-        if name in sliced and not sliced[name].zero:
-            sharded += nbytes
+        sl = sliced.get(name)
+        if sl is not None and not sl.zero:        # its size / full: 1/N, or a copied kv head
+            sharded += nbytes * sl.size // sl.full
         else:
             replicated += nbytes
-    return sharded // world_size + replicated, sharded + replicated * world_size
+    return sharded + replicated, (sharded + replicated) * world_size
 
 
 def _capacity(config: EngineConfig) -> tuple[int, bool]:
