@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.flops import FlopModel
 from cover_vllm.models.base import ModelDims
 from cover_vllm.models.diffusion_gemma_paged import (DecodeBatch, DenseDecoderAttention,
                                                      DenseEncoderAttention, EncodeBatch, PagedKV,
@@ -200,9 +199,11 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         return self.compute_logits(hidden).view(b, c, -1)
 
     # ---- FLOPs (cover_vllm/flops.py) ------------------------------------------------------
-    def flop_model(self) -> FlopModel:
-        """Per token: every weight of the layer stack a token multiplies through, the MoE
-        counted as its top-k experts (not all of them); the head on logit rows. The decoder's
+    def flop_coefficients(self) -> tuple[int, int, int]:
+        """flops.FlopModel's (params_per_token, attn_per_pair, head_per_row): every weight of
+        the layer stack a token multiplies through, the MoE counted as its top-k experts (not
+        all of them); 4 * heads * head_dim summed over the layers (as if every layer saw every
+        key: sliding layers see at most a window); the tied head on logit rows. The decoder's
         extra per canvas row (self-conditioning): `decoder_row_flops()`."""
         per_token = 0
         for layer in self.model.decoder.layers:
@@ -210,11 +211,10 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             experts = layer.experts                 # gate_up 2M x H and down H x M per expert
             per_token += self.top_k * 3 * experts.width * self.dims.hidden_size
         attn = sum(4 * s.num_heads * s.head_dim for s in self.shapes)
-        d = self.dims
-        return FlopModel(per_token, attn, 2 * d.hidden_size * d.vocab_size)
+        return per_token, attn, 2 * self.dims.hidden_size * self.dims.vocab_size
 
     def decoder_row_flops(self) -> int:
-        """FLOPs a decoder row adds to `flop_model()`'s when self-conditioning runs: the soft
+        """FLOPs a decoder row adds to `flop_coefficients()`'s when self-conditioning runs: the soft
         embedding (probabilities [V] @ embedding [V, hidden]) and the self-conditioning GeGLU."""
         sc = _linear_weights(self.model.decoder.self_conditioning)
         return 2 * self.dims.vocab_size * self.dims.hidden_size + 2 * sc
