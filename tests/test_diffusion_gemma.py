@@ -98,7 +98,8 @@ def test_spec_reads_the_nested_config(model):
 def released_form(config: dict, global_head_dim: int | None = 32,
                   global_kv: int | None = 1) -> dict:
     """The golden config.json rewritten the way the released checkpoint has it: no
-    `per_layer_config`, the full layers' sizes in `global_head_dim` / `num_global_key_value_heads`."""
+    `per_layer_config`, the full layers' sizes in `global_head_dim` and
+    `num_global_key_value_heads`."""
     text = {k: v for k, v in config["text_config"].items() if k != "per_layer_config"}
     if global_head_dim is not None:
         text["global_head_dim"] = global_head_dim

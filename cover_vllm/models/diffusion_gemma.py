@@ -207,15 +207,16 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         extra per canvas row (self-conditioning): `decoder_row_flops()`."""
         per_token = 0
         for layer in self.model.decoder.layers:
-            per_token += sum(_linear_weights(m) for m in (layer.self_attn, layer.mlp, layer.router))
+            parts = (layer.self_attn, layer.mlp, layer.router)
+            per_token += sum(_linear_weights(m) for m in parts)
             experts = layer.experts                 # gate_up 2M x H and down H x M per expert
             per_token += self.top_k * 3 * experts.width * self.dims.hidden_size
         attn = sum(4 * s.num_heads * s.head_dim for s in self.shapes)
         return per_token, attn, 2 * self.dims.hidden_size * self.dims.vocab_size
 
     def decoder_row_flops(self) -> int:
-        """FLOPs a decoder row adds to `flop_coefficients()`'s when self-conditioning runs: the soft
-        embedding (probabilities [V] @ embedding [V, hidden]) and the self-conditioning GeGLU."""
+        """FLOPs a decoder row adds to `flop_coefficients()`'s when self-conditioning runs:
+        the soft embedding (probabilities [V] @ embedding [V, hidden]) and its GeGLU."""
         sc = _linear_weights(self.model.decoder.self_conditioning)
         return 2 * self.dims.vocab_size * self.dims.hidden_size + 2 * sc
 
