@@ -19,7 +19,9 @@ from cover_vllm.distributed.tensor_parallel import TensorParallel, param_slices
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.diffusion_gemma_paged import DecodeBatch, EncodeBatch, KVTable
 from cover_vllm.models.gemma4_config import FULL, SLIDING
-from cover_vllm.models.loader import build_model, load_into, load_model, materialize, weight_source
+from cover_vllm.models.layers import pack_projections
+from cover_vllm.models.loader import build_model, load_model, materialize, weight_source
+from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from golden_cases import GOLDEN
 from test_diffusion_gemma import DIR, golden_calls
@@ -146,16 +148,21 @@ def test_paged_self_conditioning_padding_and_a_second_canvas(model, golden):
 
 
 # ---- tensor parallelism ------------------------------------------------------------------
-def _rank_model(rank: int, comm: GroupComm):
-    """Rank `rank` of 2: sharded on meta, then given storage and its slices of the weights."""
+def _rank_model(rank: int, comm: GroupComm | None, quantization: str | None = None):
+    """Rank `rank` of 2 (None: the whole model), as a Worker builds it: sharded on meta,
+    quantized there, then given storage and filled with its slices of the weights."""
     resolved = resolve_model(str(GOLDEN / "diffusion_gemma" / "model"))
     spec = ModelSpec.from_config(resolved.config)
     model = build_model(spec, torch.float32, "meta")
     source = weight_source(resolved, model)
-    slices = param_slices(model, rank, 2)
-    TensorParallel(rank, 2, comm).shard(model)
+    slices = None
+    if comm is not None:
+        slices = param_slices(model, rank, 2)
+        TensorParallel(rank, 2, comm).shard(model)
+    quantize_model(model, quantization)
     materialize(model, "cpu")
-    load_into(model, source, slices)
+    load_quantized(model, source, slices)
+    pack_projections(model)
     return model.eval().requires_grad_(False)
 
 
@@ -177,13 +184,18 @@ def _in_threads(fn, n: int = 2) -> list:
     return results
 
 
+def _connected(n: int = 2) -> list[GroupComm]:
+    comms = [GroupComm(r, n, timeout_s=60) for r in range(n)]
+    port = comms[0].serve_store("127.0.0.1")
+    _in_threads(lambda r: comms[r].connect("127.0.0.1", port), n)
+    return comms
+
+
 def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
     """TP=2 (ranks as threads): q heads and the sliding layers' 2 kv heads split, the full
     layer's single kv head copied to both ranks, the experts' and MLPs' widths split; all six
     golden forward cases and a paged decode equal TP=1 up to fp32 summation order."""
-    comms = [GroupComm(r, 2, timeout_s=60) for r in range(2)]
-    port = comms[0].serve_store("127.0.0.1")
-    _in_threads(lambda r: comms[r].connect("127.0.0.1", port))
+    comms = _connected()
     try:
         ranks = _in_threads(lambda r: _rank_model(r, comms[r]))
         full_attn, sliding_attn = (ranks[1].model.decoder.layers[i].self_attn for i in (2, 0))
@@ -218,6 +230,28 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
     finally:
         for c in comms:
             c.close()
+
+
+def test_tensor_parallel_int8_equals_tp1_int8(golden):
+    """Quantized shards hold exactly TP=1's codes (int8 scales by whole rows, also for the
+    experts' down_proj split along its input columns): TP=2 int8 == TP=1 int8 (fp32)."""
+    call = golden_calls(golden)["logits_long"]
+    whole = _rank_model(0, None, "int8")
+    comms = _connected()
+    try:
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "int8"))
+        assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
+
+        def forward(r):
+            with torch.no_grad():
+                return ranks[r](**call)
+        got = _in_threads(forward)
+    finally:
+        for c in comms:
+            c.close()
+    with torch.no_grad():
+        want = whole(**call)
+    assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
 
 
 def test_tensor_parallel_kv_head_rule():
