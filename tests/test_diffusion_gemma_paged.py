@@ -27,64 +27,76 @@ from golden_cases import GOLDEN
 from test_diffusion_gemma import DIR, golden_calls
 
 PAGE = 4            # tokens per page: prompts and canvases straddle page boundaries
+RING = 32           # slots of a sequence's sliding-layer ring (>= window - 1 + longest chunk)
+POOL = 64 * PAGE + 8 * RING     # the pages, then room for 8 rings
 PAGED_TOL = 3e-5    # paged vs dense: the same math in another summation order (measured
                     # up to 1.3e-5 on logits up to 22)
 
 
 class Pages:
-    """A pool of PAGE-token pages handed out in a shuffled order; per sequence a page table."""
+    """A pool of PAGE-token pages handed out in a shuffled order, a page table per sequence;
+    with `ring`, sliding layers keep each sequence's K/V in a ring of RING slots instead (slot
+    = ring start + position mod RING: only the last window - 1 positions are ever read)."""
 
-    def __init__(self, num_pages: int = 64, seed: int = 0):
+    def __init__(self, num_pages: int = 64, seed: int = 0, ring: bool = False):
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_pages, generator=gen).tolist()
         self.tables: dict[str, list[int]] = {}
         self.first: dict[str, int] = {}          # first encoded position (a padded row's > 0)
+        self.ring, self.rings = ring, {}         # sequence -> its ring's first slot
 
-    def slots(self, seq: str, positions: list[int]) -> torch.Tensor:
+    def slots(self, seq: str, positions: list[int], kind: str = FULL) -> torch.Tensor:
+        if kind == SLIDING and self.ring:
+            base = self.rings.setdefault(seq, 64 * PAGE + len(self.rings) * RING)
+            return torch.tensor([base + p % RING for p in positions])
         table = self.tables.setdefault(seq, [])
         while len(table) * PAGE <= max(positions, default=-1):
             table.append(self.free.pop())
         return torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in positions])
 
-    def table(self, seqs: list[str], spans: list[range]) -> KVTable:
-        """Key columns of each sequence at the positions of its span (-1 padded)."""
-        width = max(len(s) for s in spans)
-        slots = torch.zeros(len(seqs), width, dtype=torch.long)
-        positions = torch.full((len(seqs), width), -1, dtype=torch.long)
-        for i, (seq, span) in enumerate(zip(seqs, spans)):
-            slots[i, :len(span)] = self.slots(seq, list(span))
-            positions[i, :len(span)] = torch.tensor(list(span), dtype=torch.long)
-        return KVTable(slots, positions)
+    def keys(self, window: int, seqs: list[str], ends: list[int],
+             chunk_starts: list[int]) -> dict[str, KVTable]:
+        """Each layer kind's table of every sequence's keys before `ends`: all encoded positions
+        for full layers; for sliding layers in a ring only the last window - 1 before the
+        chunk (the rest has been overwritten), else all of them (masked by position)."""
+        out = {}
+        for kind in (SLIDING, FULL):
+            spans = [range(max(self.first[seq], start - (window - 1))
+                           if kind == SLIDING and self.ring else self.first[seq], end)
+                     for seq, end, start in zip(seqs, ends, chunk_starts)]
+            width = max(len(span) for span in spans)
+            slots = torch.zeros(len(seqs), width, dtype=torch.long)
+            positions = torch.full((len(seqs), width), -1, dtype=torch.long)
+            for i, (seq, span) in enumerate(zip(seqs, spans)):
+                slots[i, :len(span)] = self.slots(seq, list(span), kind)
+                positions[i, :len(span)] = torch.tensor(list(span), dtype=torch.long)
+            out[kind] = KVTable(slots, positions)
+        return out
 
 
-def encode(model, kv, pages: Pages, chunks: list[tuple[str, list[int], int]],
-           ring: bool = False) -> None:
-    """One encoder call over (sequence, token ids, first position) chunks. `ring`: sliding
-    layers get only the last window - 1 positions before each chunk (plus the chunk)."""
+def encode(model, kv, pages: Pages, chunks: list[tuple[str, list[int], int]]) -> None:
+    """One encoder call over (sequence, token ids, first position) chunks."""
     seqs = [seq for seq, _, _ in chunks]
+    starts = [start for _, _, start in chunks]
     positions = [list(range(start, start + len(ids))) for _, ids, start in chunks]
-    write = torch.cat([pages.slots(seq, pos) for seq, pos in zip(seqs, positions)])
-    full = [range(pages.first.setdefault(seq, start), start + len(ids))
-            for seq, ids, start in chunks]
-    low = [max(span.start, start - (model.window - 1)) if ring else span.start
-           for span, (_, _, start) in zip(full, chunks)]
-    sliding = [range(lo, span.stop) for lo, span in zip(low, full)]
+    for seq, start in zip(seqs, starts):
+        pages.first.setdefault(seq, start)
     model.encode_paged(EncodeBatch(
         input_ids=torch.tensor([t for _, ids, _ in chunks for t in ids]),
         positions=torch.tensor([p for pos in positions for p in pos]),
         seq_lens=[len(ids) for _, ids, _ in chunks],
-        write_slots={SLIDING: write, FULL: write},
-        keys={SLIDING: pages.table(seqs, sliding), FULL: pages.table(seqs, full)}), kv)
+        write_slots={kind: torch.cat([pages.slots(seq, pos, kind)
+                                      for seq, pos in zip(seqs, positions)])
+                     for kind in (SLIDING, FULL)},
+        keys=pages.keys(model.window, seqs, [p[-1] + 1 for p in positions], starts)), kv)
 
 
 def decode(model, kv, pages: Pages, seqs: list[str], encoded: list[int],
            canvases: torch.Tensor, sc: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, C, V] of canvases right after each sequence's `encoded` positions."""
-    spans = [range(0, n) for n in encoded]
     positions = torch.stack([torch.arange(n, n + canvases.shape[1]) for n in encoded])
-    table = pages.table(seqs, spans)
-    return model.decode_paged(DecodeBatch(canvases, positions, {SLIDING: table, FULL: table},
-                                          sc), kv)
+    keys = pages.keys(model.window, seqs, encoded, encoded)
+    return model.decode_paged(DecodeBatch(canvases, positions, keys, sc), kv)
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +112,17 @@ def model():
 @pytest.mark.parametrize("ring", [False, True], ids=["all_pages", "sliding_ring"])
 def test_paged_prompts_of_every_length_in_one_batch(model, golden, ring):
     """Rows of three golden cases (prompts of 5, 13 and 29 tokens; the long one encoded in two
-    chunks, the second in the same call as the others) in one encoder and one decoder call."""
+    chunks, the second in the same call as the others) in one encoder and one decoder call;
+    sliding layers in scattered pages or in per-sequence rings of 32 slots."""
     rows = [("short", golden["input_ids_short"][0], "logits_short", 0),
             ("mid", golden["input_ids"][1], "logits", 1),
             ("long", golden["input_ids_long"][2], "logits_long", 2)]
-    kv, pages = model.allocate_kv(64 * PAGE), Pages()
+    kv, pages = model.allocate_kv(POOL), Pages(ring=ring)
     with torch.no_grad():
-        encode(model, kv, pages, [("long", rows[2][1][:11].tolist(), 0)], ring)
+        encode(model, kv, pages, [("long", rows[2][1][:11].tolist(), 0)])
         encode(model, kv, pages, [("short", rows[0][1].tolist(), 0),
                                   ("mid", rows[1][1].tolist(), 0),
-                                  ("long", rows[2][1][11:].tolist(), 11)], ring)
+                                  ("long", rows[2][1][11:].tolist(), 11)])
         canvases = golden["decoder_input_ids"][[r[3] for r in rows]]
         got = decode(model, kv, pages, [r[0] for r in rows],
                      [len(r[1]) for r in rows], canvases)
@@ -119,11 +132,12 @@ def test_paged_prompts_of_every_length_in_one_batch(model, golden, ring):
             assert (got[i] - golden[name][row]).abs().max() <= 1e-4
 
 
-def test_paged_self_conditioning_padding_and_a_second_canvas(model, golden):
+@pytest.mark.parametrize("ring", [False, True], ids=["all_pages", "sliding_ring"])
+def test_paged_self_conditioning_padding_and_a_second_canvas(model, golden, ring):
     """Self-conditioning logits on the model's device; a left-padded golden row as its real
     tokens at their unshifted positions; the first canvas encoded incrementally, then the
     second denoised after it (the README: 1.2e-5 from the one-shot encoding)."""
-    kv, pages = model.allocate_kv(64 * PAGE), Pages(seed=1)
+    kv, pages = model.allocate_kv(POOL), Pages(seed=1, ring=ring)
     ids, canvas = golden["input_ids"], golden["decoder_input_ids"]
     pads = (golden["attention_mask"] == 0).sum(dim=1).tolist()              # 0 / 4 / 9
     with torch.no_grad():
@@ -134,12 +148,7 @@ def test_paged_self_conditioning_padding_and_a_second_canvas(model, golden):
         sc = golden["self_conditioning_logits"]
         got_sc = decode(model, kv, pages, plain, [13] * 3, canvas, sc)
         assert (got_sc - golden["logits_sc"]).abs().max() <= 1e-4
-        padded = [f"pad{r}" for r in range(3)]
-        spans = [range(pads[r], 13) for r in range(3)]
-        table = pages.table(padded, spans)
-        positions = torch.arange(13, 29).expand(3, -1)
-        got_pad = model.decode_paged(DecodeBatch(canvas, positions,
-                                                 {SLIDING: table, FULL: table}), kv)
+        got_pad = decode(model, kv, pages, [f"pad{r}" for r in range(3)], [13] * 3, canvas)
         assert (got_pad - golden["logits_padded"]).abs().max() <= 1e-4
         first = golden["input_ids_2"][:, 13:]                 # the argmax of the first canvas
         encode(model, kv, pages, [(f"p{r}", first[r].tolist(), 13) for r in range(3)])
@@ -219,7 +228,7 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
             assert (got[0][name] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), name
 
         def paged(r):
-            kv, pages = ranks[r].allocate_kv(64 * PAGE), Pages()
+            kv, pages = ranks[r].allocate_kv(POOL), Pages(ring=True)
             with torch.no_grad():
                 encode(ranks[r], kv, pages, [(str(i), golden["input_ids_long"][i].tolist(), 0)
                                              for i in range(3)])
