@@ -28,7 +28,7 @@ from test_diffusion_gemma import DIR, golden_calls
 
 PAGE = 4            # tokens per page: prompts and canvases straddle page boundaries
 RING = 32           # slots of a sequence's sliding-layer ring (>= window - 1 + longest chunk)
-POOL = 64 * PAGE + 8 * RING     # the pages, then room for 8 rings
+POOL = 64 * PAGE    # full layers' slots (sliding ones too, unless in rings)
 PAGED_TOL = 3e-5    # paged vs dense: the same math in another summation order (measured
                     # up to 1.3e-5 on logits up to 22)
 
@@ -47,7 +47,7 @@ class Pages:
 
     def slots(self, seq: str, positions: list[int], kind: str = FULL) -> torch.Tensor:
         if kind == SLIDING and self.ring:
-            base = self.rings.setdefault(seq, 64 * PAGE + len(self.rings) * RING)
+            base = self.rings.setdefault(seq, len(self.rings) * RING)
             return torch.tensor([base + p % RING for p in positions])
         table = self.tables.setdefault(seq, [])
         while len(table) * PAGE <= max(positions, default=-1):
@@ -72,6 +72,11 @@ class Pages:
                 positions[i, :len(span)] = torch.tensor(list(span), dtype=torch.long)
             out[kind] = KVTable(slots, positions)
         return out
+
+
+def allocate(model, ring: bool):
+    """Pools for the tests: 64 pages; sliding layers in 8 rings of RING slots with `ring`."""
+    return model.allocate_kv(POOL, 8 * RING if ring else None)
 
 
 def encode(model, kv, pages: Pages, chunks: list[tuple[str, list[int], int]]) -> None:
@@ -117,7 +122,7 @@ def test_paged_prompts_of_every_length_in_one_batch(model, golden, ring):
     rows = [("short", golden["input_ids_short"][0], "logits_short", 0),
             ("mid", golden["input_ids"][1], "logits", 1),
             ("long", golden["input_ids_long"][2], "logits_long", 2)]
-    kv, pages = model.allocate_kv(POOL), Pages(ring=ring)
+    kv, pages = allocate(model, ring), Pages(ring=ring)
     with torch.no_grad():
         encode(model, kv, pages, [("long", rows[2][1][:11].tolist(), 0)])
         encode(model, kv, pages, [("short", rows[0][1].tolist(), 0),
@@ -137,7 +142,7 @@ def test_paged_self_conditioning_padding_and_a_second_canvas(model, golden, ring
     """Self-conditioning logits on the model's device; a left-padded golden row as its real
     tokens at their unshifted positions; the first canvas encoded incrementally, then the
     second denoised after it (the README: 1.2e-5 from the one-shot encoding)."""
-    kv, pages = model.allocate_kv(POOL), Pages(seed=1, ring=ring)
+    kv, pages = allocate(model, ring), Pages(seed=1, ring=ring)
     ids, canvas = golden["input_ids"], golden["decoder_input_ids"]
     pads = (golden["attention_mask"] == 0).sum(dim=1).tolist()              # 0 / 4 / 9
     with torch.no_grad():
@@ -228,7 +233,7 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
             assert (got[0][name] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), name
 
         def paged(r):
-            kv, pages = ranks[r].allocate_kv(POOL), Pages(ring=True)
+            kv, pages = allocate(ranks[r], True), Pages(ring=True)
             with torch.no_grad():
                 encode(ranks[r], kv, pages, [(str(i), golden["input_ids_long"][i].tolist(), 0)
                                              for i in range(3)])

@@ -167,12 +167,16 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         return [self.window if s.sliding else None for s in self.shapes]
 
     # ---- the paged route: what the engine calls -------------------------------------------
-    def allocate_kv(self, num_slots: int, dtype: torch.dtype | None = None,
+    def allocate_kv(self, num_slots: int, sliding_slots: int | None = None,
+                    dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> PagedKV:
-        """Empty per-layer K/V pools of `num_slots` slots each (this rank's kv heads), in the
-        model's dtype and on its device unless given."""
+        """Empty per-layer K/V pools (this rank's kv heads) of `num_slots` slots, sliding layers
+        `sliding_slots` (default the same: e.g. a ring of >= window - 1 + the longest chunk per
+        sequence instead of every page), in the model's dtype and on its device unless given."""
         weight = self.model.decoder.embed_tokens.weight
-        return PagedKV(self.kv_layer_shapes(), num_slots, dtype or weight.dtype,
+        sliding = num_slots if sliding_slots is None else sliding_slots
+        slots = [sliding if s.sliding else num_slots for s in self.shapes]
+        return PagedKV(self.kv_layer_shapes(), slots, dtype or weight.dtype,
                        device or weight.device)
 
     def encode_paged(self, batch: EncodeBatch, kv: PagedKV) -> None:

@@ -28,13 +28,16 @@ from cover_vllm.models.gemma4_config import SLIDING
 
 
 class PagedKV:
-    """K and V pools of every layer: k[i], v[i] [num_slots, kv_heads_i, head_dim_i]."""
+    """K and V pools of every layer: k[i], v[i] [num_slots[i], kv_heads_i, head_dim_i] (sliding
+    layers may have fewer slots than full ones: they only ever need the last window - 1)."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_slots: int, dtype: torch.dtype,
+    def __init__(self, shapes: list[tuple[int, int]], num_slots: list[int], dtype: torch.dtype,
                  device: torch.device | str):
         self.num_slots = num_slots
-        self.k = [torch.zeros(num_slots, h, d, dtype=dtype, device=device) for h, d in shapes]
-        self.v = [torch.zeros(num_slots, h, d, dtype=dtype, device=device) for h, d in shapes]
+        self.k = [torch.zeros(n, h, d, dtype=dtype, device=device)
+                  for n, (h, d) in zip(num_slots, shapes)]
+        self.v = [torch.zeros(n, h, d, dtype=dtype, device=device)
+                  for n, (h, d) in zip(num_slots, shapes)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
