@@ -171,7 +171,7 @@ def test_released_shape_is_refused_in_bf16_and_planned_in_int4(monkeypatch):
     allocated, with the numbers; int4 (groups of 64) plans ~14 GiB of weights."""
     monkeypatch.setattr("cover_vllm.worker.memory.host_memory_bytes", lambda: 24 * GiB)
     with pytest.raises(ValueError, match=r"diffusion_gemma weights need 4[67]\.\d\d GiB.*"
-                                         r"allows 21\.60 GiB"):
+                                         r"allows 21\.60 GiB; use weight-only quantization"):
         LLM(RELEASED, load_format="dummy", dtype="bfloat16")
     _, meta = released_meta()
     quantize_model(meta, "int4")

@@ -100,6 +100,12 @@ def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
     return sharded + replicated, (sharded + replicated) * world_size
 
 
+def _is_quantized(model: torch.nn.Module) -> bool:
+    from cover_vllm.models.quantization import quantized_tensors
+
+    return next(quantized_tensors(model), None) is not None
+
+
 def _capacity(config: EngineConfig) -> tuple[int, bool]:
     """(usable bytes, shared by all ranks?) for the configured device."""
     if str(config.device).startswith("cuda"):
@@ -130,6 +136,8 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
             f"of the {where} allows {capacity / GiB:.2f} GiB; use "
             + ("a smaller dtype (bfloat16), " if dtype == torch.float32 else "")
+            + ("" if _is_quantized(model) else "weight-only quantization (quantization='int8' "
+               "or 'int4'), ")
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
