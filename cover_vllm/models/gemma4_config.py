@@ -83,12 +83,12 @@ def _rope(cfg: Config, kind: str, head_dim: int) -> tuple[float, int]:
     `proportional`: the first int(partial_rotary_factor * head_dim // 2) slots turn (with
     exponents over the whole head_dim), the rest have frequency 0."""
     params = (cfg.get("rope_parameters") or {}).get(kind) or DEFAULT_ROPE[kind]
-    unknown = set(params) - _ROPE_KEYS
+    unknown = set(params) - _ROPE_KEYS - ({"factor"} if params.get("factor") == 1.0 else set())
     rope_type = params.get("rope_type", "default")
     if unknown or rope_type not in ("default", "proportional"):
         raise ValueError(f"diffusion_gemma rope_parameters[{kind!r}]={params!r} is not "
                          "supported: rope_type 'default' or 'proportional' with rope_theta and "
-                         "partial_rotary_factor only")
+                         "partial_rotary_factor only (a scaling factor of 1.0 at most)")
     theta = float(params.get("rope_theta", DEFAULT_ROPE[kind]["rope_theta"]))
     if rope_type == "default":
         return theta, head_dim // 2
