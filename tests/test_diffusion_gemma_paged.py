@@ -8,8 +8,6 @@ call, and a finished canvas is encoded incrementally before the next one is deno
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +23,7 @@ from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from golden_cases import GOLDEN
 from test_diffusion_gemma import DIR, golden_calls
+from test_tensor_parallel import _in_threads
 
 PAGE = 4            # tokens per page: prompts and canvases straddle page boundaries
 RING = 32           # slots of a sequence's sliding-layer ring (>= window - 1 + longest chunk)
@@ -180,24 +179,6 @@ def _rank_model(rank: int, comm: GroupComm | None, quantization: str | None = No
     return model.eval().requires_grad_(False)
 
 
-def _in_threads(fn, n: int = 2) -> list:
-    results, errors = [None] * n, []
-
-    def run(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:       # surfaced below
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _connected(n: int = 2) -> list[GroupComm]:
     comms = [GroupComm(r, n, timeout_s=60) for r in range(n)]
     port = comms[0].serve_store("127.0.0.1")
@@ -211,7 +192,7 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
     golden forward cases and a paged decode equal TP=1 up to fp32 summation order."""
     comms = _connected()
     try:
-        ranks = _in_threads(lambda r: _rank_model(r, comms[r]))
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r]), 2)
         full_attn, sliding_attn = (ranks[1].model.decoder.layers[i].self_attn for i in (2, 0))
         assert full_attn.local_heads == (2, 1) and sliding_attn.local_heads == (2, 1)
         assert torch.equal(full_attn.k_proj.weight, model.model.decoder.layers[2].self_attn
@@ -224,7 +205,7 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
         def forward(r):
             with torch.no_grad():
                 return {name: ranks[r](**call) for name, call in calls.items()}
-        got = _in_threads(forward)
+        got = _in_threads(forward, 2)
         for name in calls:
             assert torch.equal(got[0][name], got[1][name])
             assert (got[0][name] - golden[name]).abs().max() <= 1e-4, name
@@ -239,7 +220,7 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
                                              for i in range(3)])
                 return decode(ranks[r], kv, pages, ["0", "1", "2"], [29] * 3,
                               golden["decoder_input_ids"])
-        logits = _in_threads(paged)
+        logits = _in_threads(paged, 2)
         assert (logits[0] - golden["logits_long"]).abs().max() <= 1e-4
     finally:
         for c in comms:
@@ -253,13 +234,13 @@ def test_tensor_parallel_int8_equals_tp1_int8(golden):
     whole = _rank_model(0, None, "int8")
     comms = _connected()
     try:
-        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "int8"))
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "int8"), 2)
         assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
 
         def forward(r):
             with torch.no_grad():
                 return ranks[r](**call)
-        got = _in_threads(forward)
+        got = _in_threads(forward, 2)
     finally:
         for c in comms:
             c.close()
