@@ -102,6 +102,10 @@ def _check_names(model: nn.Module, source: WeightSource) -> None:
     names = source.names()
     if names is None:
         return
+    spec = getattr(model, "spec", None)
+    if spec is not None:                  # tensors the family never loads (a vision tower)
+        family = family_named(spec.family)
+        names = {n for n in names if not family.ignores(n)}
     params = dict(model.named_parameters())
     extra = sorted(names - set(params))
     if extra:

@@ -5,7 +5,7 @@ formats' description; quant_kernels.py runs the matmuls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ class QuantConfig:
     method: str                             # "int8" | "int4"
     group_size: int = DEFAULT_GROUP_SIZE    # int4: input columns sharing a scale and zero
     lm_head: bool = True                    # quantize the LM head too (see the module doc)
+    explicit_group: bool = field(default=False, compare=False)   # "int4:G" given: a family's
+                                            # own int4 group (registry `int4_group`) does not apply
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,7 +70,7 @@ def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
         if not group:
             return QuantConfig("int4")
         if group.isdigit():
-            return QuantConfig("int4", int(group))
+            return QuantConfig("int4", int(group), explicit_group=True)
     raise ValueError(f"quantization={value!r}; choose one of {_ALLOWED}")
 
 

@@ -11,7 +11,11 @@ Scales and zeros are stored in the model dtype (the kernels take them in the act
 dtype); codes are rounded against the stored, already-rounded scale and zero.
 
 Which layers: every nn.Linear in a `FusedLinears` group (models/layers.py): attention q/k/v/o,
-MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through.
+MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through;
+and every module that quantizes its own non-Linear weights (stacked MoE experts,
+models/stacked_experts.py: hooks `check_stacked`, `quantize_stacked`, `stacked_tensors`,
+`load_stacked`, `pack_stacked`). "int4" without a G takes the family's group when its registry
+entry declares one (`int4_group`: DiffusionGemma's widths are multiples of 64, not 128).
 Embeddings, norms and the MoE router (`mlp.gate`, in no group) keep the model dtype. The LM head
 is quantized by default (`QuantConfig.lm_head`): at LLaDA-8B's shape it is 6.5 % of the weights,
 and leaving it in bf16 would put the int8 model over 0.55 x the bf16 peak (docs/benchmarks.md
@@ -30,6 +34,7 @@ quantized bytes plus one chunk (LOAD_CHUNK_BYTES), never a whole bf16 tensor.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -41,6 +46,7 @@ from cover_vllm.models.quant_format import (QuantConfig, is_quantized, linear_bu
                                             parse_quantization, quantize_rows,
                                             reference_linear)
 from cover_vllm.models.quant_kernels import QuantizedGroup
+from cover_vllm.models.registry import family_named
 from cover_vllm.models.safetensors_io import Slice
 
 __all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
@@ -65,6 +71,25 @@ def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, linear in quantized_linears(model):
         for buf in linear_buffers(linear).values():
             yield f"{name}.weight", buf
+    for prefix, module in _stacked(model):
+        for name, buf in module.stacked_tensors():
+            yield f"{prefix}.{name}", buf
+
+
+def _stacked(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that quantizes its own (non-Linear) weights."""
+    return [(n, m) for n, m in model.named_modules()
+            if callable(getattr(m, "quantize_stacked", None))]
+
+
+def for_model(model: nn.Module, config: QuantConfig | str | None) -> QuantConfig | None:
+    """`config` as `model` applies it: "int4" without a G takes the family's `int4_group`."""
+    config = parse_quantization(config)
+    spec = getattr(model, "spec", None)
+    if config is None or config.method != "int4" or config.explicit_group or spec is None:
+        return config
+    group = family_named(spec.family).int4_group
+    return config if group is None else replace(config, group_size=group)
 
 
 def _head_groups(model: nn.Module) -> set[int]:
@@ -76,8 +101,11 @@ def check_quantization(model: nn.Module, config: QuantConfig | None,
                        world_size: int = 1) -> None:
     """ValueError unless every Linear to quantize has an int4 group-aligned input width, on
     every rank (a row-parallel Linear's `parallel_plan()` splits its input over `world_size`)."""
+    config = for_model(model, config)
     if config is None or config.method != "int4":
         return
+    for _, module in _stacked(model):
+        module.check_stacked(config, world_size)
     row_split: set[int] = set()
     for module in model.modules():
         declare = getattr(module, "parallel_plan", None)
@@ -105,11 +133,11 @@ def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     """Turn the projections of a meta-device `model` (already a rank's shard) into quantized
     Linears: each group gets a `QuantizedGroup`, each Linear the empty buffers of its format
     instead of its weight. Returns how many Linears were converted (0 for None)."""
-    config = parse_quantization(config)
+    config = for_model(model, config)
     if config is None:
         return 0
     check_quantization(model, config)
-    count = 0
+    count = sum(module.quantize_stacked(config) for _, module in _stacked(model))
     for group in _selected_groups(model, config):
         for lin in group.linears:
             weight = lin.weight
@@ -198,6 +226,9 @@ def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = N
         name = f"{prefix}.weight"
         _load_linear(linear, linear.quant_config, source, name, slices.get(name))
         claimed.add(name)
+    for prefix, module in _stacked(model):
+        if module.quant_config is not None:
+            claimed |= module.load_stacked(source, prefix, slices)
     load_into(model, _Without(source, claimed) if claimed else source, slices)
 
 
