@@ -31,9 +31,9 @@ def test_vllm_style_llm_works(capped):
 
 
 def test_trust_remote_code_is_logged_once(caplog):
-    from cover_vllm.engine import engine
+    from cover_vllm.engine import setup
 
-    engine._log_trust_remote_code.cache_clear()
+    setup.log_trust_remote_code.cache_clear()
     with caplog.at_level(logging.INFO, logger="cover_vllm"):
         for _ in range(2):
             LLM("cover-tiny", trust_remote_code=True, num_threads=1)

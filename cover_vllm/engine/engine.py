@@ -6,7 +6,6 @@ applies its decision and completes or advances its block) -> outputs.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -17,6 +16,8 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.engine.parallel_sampling import ParentRequest
+from cover_vllm.engine.setup import (load_tokenizer_if_any, log_trust_remote_code,
+                                     prefix_caching, request_generator)
 from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
@@ -54,43 +55,6 @@ class EngineLoad:
     pages_total: int
 
 
-def _prefix_caching(config: EngineConfig, spec: ModelSpec) -> bool:
-    """`enable_prefix_caching` resolved: None means on exactly for block-causal models; asking
-    for it on a full-attention model is an error (a prompt's K/V depend on the whole canvas
-    there, so no two requests share them)."""
-    block_causal = spec.attention.is_block_causal
-    if config.enable_prefix_caching and not block_causal:
-        raise ValueError("enable_prefix_caching=True needs a block-causal model (LLaDA2.x, "
-                         f"SDAR); {spec.family!r} attends over the whole canvas, so its prompt "
-                         "K/V are never shared")
-    return block_causal if config.enable_prefix_caching is None else config.enable_prefix_caching
-
-
-def _load_tokenizer(path, required: bool = False):
-    """The tokenizer in `path`, or None when it has none (an explicit `tokenizer=` must have
-    one: FileNotFoundError listing what the directory holds)."""
-    if path is None:
-        return None
-    from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
-
-    return load_tokenizer(path) if required or has_tokenizer(path) else None
-
-
-def request_generator(device: torch.device, seed: int) -> torch.Generator | None:
-    """A request's own random stream, on the device where its decisions are made (None on the
-    shapes-only "meta" device, which draws no values)."""
-    if device.type == "meta":
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-@functools.cache
-def _log_trust_remote_code(family: str) -> None:
-    """Said once per process: vLLM users pass trust_remote_code=True out of habit."""
-    logger.info("trust_remote_code=True accepted: cover_vllm implements the %s architecture "
-                "itself and never runs code shipped with a checkpoint", family)
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_engine_model(config)     # a hub id is fetched here, once
@@ -101,7 +65,7 @@ class Engine:
         self.spec = ModelSpec.from_config(resolved.config).with_max_model_len(
             config.max_model_len)
         if config.trust_remote_code:
-            _log_trust_remote_code(self.spec.family)
+            log_trust_remote_code(self.spec.family)
         self.stage = StrategyStage(self.spec, config.decoding)   # fails early on a bad default
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
@@ -114,7 +78,7 @@ class Engine:
         # the resolved KV budget travels to every rank (the same page count everywhere)
         self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
         self.tokenizer_dir = resolved.tokenizer_dir
-        self.tokenizer = _load_tokenizer(self.tokenizer_dir, required=config.tokenizer is not None)
+        self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir, required=config.tokenizer is not None)
         if self.tokenizer is None:
             logger.warning("model %r has no tokenizer: prompts must be token ids; outputs carry "
                            "the generated token ids (token_ids) and empty text", resolved.name)
@@ -122,7 +86,7 @@ class Engine:
         logger.info(self.memory.startup_line())
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift,
-                                   prefix_caching=_prefix_caching(config, self.spec))
+                                   prefix_caching=prefix_caching(config, self.spec))
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
         self.refresh_policy = config.refresh_policy
         self._requests: dict[str, Request] = {}
