@@ -173,3 +173,10 @@ def test_both_engine_clients_implement_the_protocol():
             assert (inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(member)
                     and list(inspect.signature(impl).parameters)
                     == list(inspect.signature(member).parameters)), f"{cls.__name__}.{name}"
+
+
+def test_no_module_grows_past_400_lines():
+    """STYLE.md's house habit: a module owns one thing, aim for <= 300 lines, never past 400."""
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, long
