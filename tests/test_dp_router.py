@@ -4,12 +4,12 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass
 
 import pytest
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.config import EngineConfig
+from cover_vllm.engine.driver import Submission    # what the server hands the router
 from conftest import LLADA_DIR
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # Ray actors: slow to start
@@ -17,13 +17,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]   # Ray actors: slow to start
 
 class ReplicaFailed(Exception):
     """Stands in for the server's EngineRequestError."""
-
-
-@dataclass
-class Submission:                 # the fields the server's Submission has
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 def _params(seed: int, max_tokens: int = 16) -> SamplingParams:
