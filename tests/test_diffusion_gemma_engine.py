@@ -306,3 +306,26 @@ def test_too_long_for_the_model_is_refused_in_whole_canvases(llm):
                      use_tqdm=False)
     ok = dataclasses.replace(SamplingParams(), max_tokens=16)
     assert llm.generate([{"prompt_token_ids": [5] * 10}], ok, use_tqdm=False)[0].finished
+
+
+# ---- tensor parallelism --------------------------------------------------------------------
+def test_tensor_parallel_2_equals_1_on_the_golden_generate_cases(llm):
+    """TP=2 (mp ranks, fp32): q heads and the sliding layers' kv heads split, the full layer's
+    single kv head copied, experts split; each rank keeps its own self-conditioning logits.
+    Every comparable golden case in one call: the golden tokens and NFE, as TP=1."""
+    sharded = LLM(str(DIR / "model"), tensor_parallel_size=2, num_threads=1)
+    try:
+        outs = sharded.generate([prompt(c) for c in COMPARABLE],
+                                [dg_params(c) for c in COMPARABLE], use_tqdm=False)
+        check(outs, COMPARABLE)
+        single = llm.generate([prompt(c) for c in COMPARABLE],
+                              [dg_params(c, logprobs=2) for c in COMPARABLE], use_tqdm=False)
+        both = sharded.generate([prompt(c) for c in COMPARABLE[:4]],
+                                [dg_params(c, logprobs=2) for c in COMPARABLE[:4]],
+                                use_tqdm=False)
+        for a, b in zip(single, both):
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    finally:
+        sharded.shutdown()
