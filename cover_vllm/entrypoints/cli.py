@@ -62,8 +62,9 @@ def _decoding_params(value: dict | None, decodings: tuple[str, ...]) -> dict:
 
 
 def _bench_spec(args: argparse.Namespace):
-    from cover_vllm.benchmarks.throughput import ThroughputSpec
+    from cover_vllm.benchmarks.throughput import ThroughputSpec, default_decodings
 
+    args.decoding = args.decoding or default_decodings(args.model)
     params = _decoding_params(args.decoding_params, args.decoding)
     kv_caches, refreshes = _cache_choices(args)
     return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=kv_caches,
@@ -163,8 +164,9 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
 
 def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
     p.add_argument("--model", default="cover-tiny", help=MODEL_HELP)
-    p.add_argument("--decoding", type=csv, default=("low_confidence",),
-                   help="strategies, comma-separated")
+    p.add_argument("--decoding", type=csv, default=None,
+                   help="strategies, comma-separated (default: low_confidence; a "
+                   "uniform-state model's own decoder, e.g. diffusion_gemma)")
     p.add_argument("--decoding-params", type=json_obj, default=None,
                    help='JSON: {"knob": v} or {"<strategy>": {...}, ...}')
     p.add_argument("--kv-cache", type=csv, default=("dual",),

@@ -154,7 +154,8 @@ FAMILIES: tuple[Family, ...] = (
            flat_config=flatten_config, mask_token=False,
            ignored_tensors=("model.encoder.vision_tower.*", "model.encoder.embed_vision.*"),
            int4_group=64, default_decoding="diffusion_gemma",
-           shapes={"diffusion-gemma-26b-a4b": configs.DIFFUSION_GEMMA_26B_A4B}),
+           shapes={"diffusion-gemma-26b-a4b": configs.DIFFUSION_GEMMA_26B_A4B,
+                   "diffusion-gemma-mini": configs.DIFFUSION_GEMMA_MINI}),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}
