@@ -41,8 +41,8 @@ class EngineConfig:
 
     model: str
     decoding: str | None = option(
-        None, "default decoding strategy (per request: decoding); unset: the model family's "
-        "(cover; DiffusionGemma: diffusion_gemma)")
+        None, "default decoding strategy (per request: decoding); unset: the model family's, "
+        "diffusion_gemma for DiffusionGemma (default: cover)")
     kv_cache: str = option("dual", "KV reuse between refreshes: none is exact",
                            choices=KV_CACHE_MODES)
     dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype; "

@@ -141,8 +141,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] (final-normed) -> [N, vocab] fp32 logits, soft-capped."""
         logits = F.linear(hidden, self.model.decoder.embed_tokens.weight).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.softcap:          # in place: tanh(x / cap) * cap, one [N, V] tensor at a time
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     # ---- the dense route: transformers' forward -------------------------------------------

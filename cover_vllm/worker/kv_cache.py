@@ -63,13 +63,17 @@ class KVLayout:
         """K and V of one ring (every ringed layer); 0 without rings."""
         return self._bytes(self.ringed, dtype) * self.ring_len
 
-    def split(self, budget: int, page_size: int, dtype: torch.dtype,
-              max_seqs: int) -> tuple[int, int]:
-        """(pages, rings) of a `budget`-byte pool: a ring per sequence up to `max_seqs`, taking
-        at most half the budget (at least one), the rest in pages (at least one)."""
+    def split(self, budget: int, page_size: int, dtype: torch.dtype, max_seqs: int,
+              seq_tokens: int) -> tuple[int, int]:
+        """(pages, rings) of a `budget`-byte pool: a ring for each sequence that fits with the
+        pages of `seq_tokens` positions (up to `max_seqs`, at least one), the rest in pages (at
+        least one). Without rings: every byte in pages."""
         page = self.bytes_per_token(dtype) * page_size
         ring = self.ring_bytes(dtype)
-        rings = min(max_seqs, max(1, budget // 2 // ring)) if ring else 0
+        if not ring:
+            return max(1, budget // page), 0
+        per_seq = ring + -(-seq_tokens // page_size) * page
+        rings = min(max_seqs, max(1, budget // per_seq))
         return max(1, (budget - rings * ring) // page), rings
 
 

@@ -158,7 +158,8 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     else:
         budget = min(config.kv_budget_bytes(per_token, spec.max_model_len, ring_bytes),
                      left * share)
-    num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs)
+    num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
+                                        canvas)
     kv_bytes = num_pages * page_bytes + num_rings * ring_bytes
     return MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
                       per_token, num_rings, layout.ring_len,

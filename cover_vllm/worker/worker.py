@@ -18,7 +18,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.kv_cache import KVCache, KVLayout
-from cover_vllm.worker.memory import peak_rss_bytes
+from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
@@ -66,7 +66,8 @@ class Worker:
             keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
         budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
-        num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs)
+        num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
+                                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
         self.tp, self.num_pages = tp, num_pages
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
             self.cache = model.allocate_kv(num_pages * config.page_size,
