@@ -130,6 +130,22 @@ def test_chunked_prompts_and_wrapping_rings(monkeypatch):
                          use_tqdm=False), COMPARABLE)
 
 
+def test_the_released_config_form_generates_the_same(tmp_path):
+    """config.json as the released checkpoint writes it (`global_head_dim`,
+    `num_global_key_value_heads`; the hidden set's form) with generation_config.json: the
+    engine's per-layer pools and rings follow it, and every comparable case is exact."""
+    from test_diffusion_gemma import released_form
+
+    config = json.loads((DIR / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(released_form(config)))
+    for name in ("model.safetensors", "generation_config.json"):
+        shutil.copy(DIR / "model" / name, tmp_path)
+    released = LLM(str(tmp_path), num_threads=1)
+    assert released.engine.spec.hf_config.get("per_layer_config") is None
+    check(released.generate([prompt(c) for c in COMPARABLE], [dg_params(c) for c in COMPARABLE],
+                            use_tqdm=False), COMPARABLE)
+
+
 def test_engine_equals_the_reference_on_other_requests(llm, model):
     """Prompts and settings the golden set does not have (a prompt over three windows, 1 to 4
     canvases, hot and cold schedules), batched, against the slow reference one by one."""
@@ -329,3 +345,39 @@ def test_tensor_parallel_2_equals_1_on_the_golden_generate_cases(llm):
                 assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
     finally:
         sharded.shutdown()
+
+
+# ---- the KV plan and the device path ---------------------------------------------------------
+def test_the_released_shape_plans_pages_and_a_ring_per_sequence():
+    """26B-A4B (int4, meta: nothing allocated): full layers 5 x 2 kv heads x 512 in pages
+    (20 KiB a position in bf16), the 25 sliding layers in rings of 1023 + 256 slots (200 KiB a
+    slot): a 1.3 GB budget holds 4 rings beside the pages of 4 1024-token sequences."""
+    from cover_vllm.worker.kv_cache import KVLayout
+
+    llm = LLM("diffusion-gemma-26b-a4b", load_format="dummy", device="meta",
+              quantization="int4", kv_cache_memory_bytes=1_300_000_000, num_threads=1)
+    plan = llm.engine.memory
+    assert plan.kv_bytes_per_token == 5 * 2 * 2 * 512 * 2
+    assert (plan.ring_len, plan.num_rings) == (1279, 4)
+    layout = KVLayout.of(llm.engine.executor.model)
+    assert layout.ring_bytes(torch.bfloat16) == 25 * 2 * 8 * 256 * 2 * 1279
+    assert plan.num_pages * 16 * plan.kv_bytes_per_token + 4 * layout.ring_bytes(
+        torch.bfloat16) <= 1_300_000_000
+    assert plan.num_pages * 16 >= 4 * 1024 and plan.canvases == 4
+    assert len(llm.engine.scheduler.canvases.free_rings) == 4
+
+
+def test_the_sampler_has_one_code_path_on_every_device(llm):
+    """The decoder never branches on the device (no compact CPU rows: every [C, V] row of a
+    canvas is read on any device), so the device path is the CPU path: under `dense_rows` the
+    same tokens, NFE and logprobs."""
+    from cover_vllm.strategies.sampling import dense_rows
+
+    cases = COMPARABLE[:5]
+    params = [dg_params(c, logprobs=2) for c in cases]
+    want = llm.generate([prompt(c) for c in cases], params, use_tqdm=False)
+    with dense_rows():
+        got = llm.generate([prompt(c) for c in cases], params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.metrics.nfe == b.metrics.nfe and a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cover_vllm.engine.decide import _stack_logits
+from cover_vllm.engine.decide import stack_logits
 from cover_vllm.engine.logprobs import logprob_rows
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.canvas_request import CanvasRequest
@@ -46,6 +46,20 @@ def check_decoder(decoder, spec: ModelSpec, what: str) -> None:
         raise ValueError(f"{what}={decoder.name!r} commits tokens into [MASK] slots, but "
                          f"{spec.family!r} has no [MASK] token (uniform-state diffusion): use "
                          f"one of {sorted(CANVAS_DECODERS)} (the default)")
+
+
+def check_canvas_length(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
+    """ValueError naming the field at fault when the prompt and max_tokens' whole canvases
+    exceed max_model_len."""
+    block, limit = spec.default_block_length, spec.max_model_len
+    room = (limit - prompt_len) // block * block
+    if room < 1:
+        raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a {block}-token "
+                         f"canvas within max_model_len={limit}: shorten the prompt")
+    if max_tokens > room:
+        raise ValueError(f"max_tokens ({max_tokens}) needs {-(-max_tokens // block)} canvases "
+                         f"of {block} tokens after the prompt ({prompt_len} tokens), beyond "
+                         f"max_model_len={limit}: give max_tokens <= {room}")
 
 
 def first_canvases(reqs: list[CanvasRequest], device: torch.device,
@@ -99,7 +113,7 @@ def run_canvas_decoders(items: list[CanvasItem], requests: dict, result,
 def _decide(reqs: list[CanvasRequest], logits: list[torch.Tensor],
             raw: list[torch.Tensor | None]) -> _Group:
     decoder = reqs[0].strategy
-    batch = CanvasBatch(_stack_logits(logits, logits[0].shape[0]), [r.state for r in reqs],
+    batch = CanvasBatch(stack_logits(logits, logits[0].shape[0]), [r.state for r in reqs],
                         [r.generator for r in reqs], [r.has_next_canvas for r in reqs])
     decision = decoder.decide(batch)
     logprobs = {}

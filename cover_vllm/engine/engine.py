@@ -14,8 +14,9 @@ import torch
 
 from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
-from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_decoder,
-                                              first_canvases, run_canvas_decoders)
+from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_canvas_length,
+                                              check_decoder, first_canvases,
+                                              run_canvas_decoders)
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.engine.parallel_sampling import ParentRequest
@@ -204,18 +205,7 @@ class Engine:
         kind, limit = self.spec.attention, self.spec.max_model_len
         block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
         if self.spec.uniform_state:
-            block, limit = self.spec.default_block_length, limit - prompt_len
-            room = limit // block * block
-            if room < 1:
-                raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a "
-                                 f"{block}-token canvas within max_model_len="
-                                 f"{self.spec.max_model_len}: shorten the prompt")
-            if params.max_tokens > room:
-                raise ValueError(f"max_tokens ({params.max_tokens}) needs "
-                                 f"{-(-params.max_tokens // block)} canvases of {block} tokens "
-                                 f"after the prompt ({prompt_len} tokens), beyond "
-                                 f"max_model_len={self.spec.max_model_len}: give max_tokens "
-                                 f"<= {room}")
+            check_canvas_length(self.spec, prompt_len, params.max_tokens)
             return
         room = limit // block * block - prompt_len   # block-causal: canvases end on a block
         whose = "the model's" if self.config.max_model_len is None else "the engine's"

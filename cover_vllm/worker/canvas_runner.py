@@ -45,7 +45,7 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 class CanvasRunner:
-    def __init__(self, model: torch.nn.Module, kv: PagedKV, layout: KVLayout, page_size: int):
+    def __init__(self, model: torch.nn.Module, kv: PagedKV, layout: KVLayout):
         self.model, self.kv, self.layout = model, kv, layout
         self.window, self.kinds = model.window, sorted(set(model.kinds))
         self.device = kv.k[0].device

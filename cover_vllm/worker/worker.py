@@ -72,7 +72,7 @@ class Worker:
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
             self.cache = model.allocate_kv(num_pages * config.page_size,
                                            num_rings * layout.ring_len)
-            canvas = CanvasRunner(self.model, self.cache, layout, config.page_size)
+            canvas = CanvasRunner(self.model, self.cache, layout)
         else:
             self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device)
             canvas = None
