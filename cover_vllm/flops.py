@@ -68,18 +68,23 @@ def item_shape(item) -> tuple[int, int, int]:
     return tokens, pairs, rows
 
 
-def canvas_item_flops(model: FlopModel, item) -> tuple[float, float, int]:
-    """(encoder FLOPs, decoder FLOPs, query rows) of one CanvasItem: its n encoded tokens at
-    positions s.. each over the keys up to itself (no head: the encoder's outputs are never
-    read), and its canvas of C rows over everything encoded and the canvas, with the head and,
-    after a canvas's first step, self-conditioning on every row."""
+def canvas_item_shapes(item) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((encoded tokens, their attention pairs), (canvas rows, theirs)) of one CanvasItem: its
+    n encoded tokens at positions s.. each over the keys up to itself, its canvas of C rows over
+    everything encoded and the canvas."""
     n, s = item.num_encode, item.encode_start
-    encoder = model.forward(n, n * s + n * (n + 1) // 2, 0) if n else 0.0
-    if item.canvas_ids is None:
-        return encoder, 0.0, n
-    c = int(item.canvas_ids.numel())
-    decoder = model.forward(c, c * (item.canvas_start + c), c)
-    if item.self_conditioning:
+    c = 0 if item.canvas_ids is None else int(item.canvas_ids.numel())
+    return (n, n * s + n * (n + 1) // 2), (c, c * (item.canvas_start + c))
+
+
+def canvas_item_flops(model: FlopModel, item) -> tuple[float, float, int]:
+    """(encoder FLOPs, decoder FLOPs, query rows) of one CanvasItem (`canvas_item_shapes`): no
+    head on the encoded tokens (the encoder's outputs are never read); the head and, after a
+    canvas's first step, self-conditioning on every canvas row."""
+    (n, enc_pairs), (c, dec_pairs) = canvas_item_shapes(item)
+    encoder = model.forward(n, enc_pairs, 0) if n else 0.0
+    decoder = model.forward(c, dec_pairs, c) if c else 0.0
+    if c and item.self_conditioning:
         decoder += float(model.self_conditioning_per_row * c)
     return encoder, decoder, n + c
 

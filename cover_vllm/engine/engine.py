@@ -328,6 +328,7 @@ class Engine:
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
         clock = StepClock()
+        copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
             return []
@@ -338,7 +339,6 @@ class Engine:
             torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
         clock.lap("forward")
         self._account(out, result)
-        copies, moved = self.transfer.copies, self.transfer.bytes
         decisions = self.stage.decide(out, self._requests, result, self._observers,
                                       self.transfer)
         canvas = (run_canvas_decoders(out.canvas_items, self._requests, result, self.transfer)
