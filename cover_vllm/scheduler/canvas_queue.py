@@ -19,7 +19,7 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.canvas_request import CanvasRequest
 from cover_vllm.scheduler.output import CanvasItem
 from cover_vllm.scheduler.page_pool import PagePool
-from cover_vllm.scheduler.request import RequestStatus
+from cover_vllm.scheduler.request import RequestStatus, abort_from
 
 
 class CanvasQueue:
@@ -84,13 +84,4 @@ class CanvasQueue:
             self._admitted.remove(req)
 
     def abort(self, request_id: str) -> CanvasRequest | None:
-        for req in list(self.waiting):
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-                return req
-        for req in self.running:
-            if req.request_id == request_id:
-                self.finish(req, "abort")
-                return req
-        return None
+        return abort_from(request_id, self.waiting, self.running, self.finish)

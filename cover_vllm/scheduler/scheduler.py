@@ -23,7 +23,7 @@ from cover_vllm.scheduler.canvas_request import CanvasRequest
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
-from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
+from cover_vllm.scheduler.request import PageSet, Request, RequestStatus, abort_from
 from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
@@ -108,16 +108,7 @@ class Scheduler:
         canvas = self.canvases.abort(request_id)
         if canvas is not None:
             return canvas
-        for req in list(self.waiting):
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-                return req
-        for req in self.running:
-            if req.request_id == request_id:
-                self.finish(req, "abort")
-                return req
-        return None
+        return abort_from(request_id, self.waiting, self.running, self.finish)
 
     def finish(self, req: Request | CanvasRequest, reason: str) -> None:
         if isinstance(req, CanvasRequest):
