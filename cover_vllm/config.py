@@ -40,7 +40,9 @@ class EngineConfig:
     """
 
     model: str
-    decoding: str = option("cover", "default decoding strategy (per request: decoding)")
+    decoding: str | None = option(
+        None, "default decoding strategy (per request: decoding); unset: the model family's, "
+        "diffusion_gemma for DiffusionGemma (default: cover)")
     kv_cache: str = option("dual", "KV reuse between refreshes: none is exact",
                            choices=KV_CACHE_MODES)
     dtype: str = option("auto", "weights and activations (auto: the checkpoint's torch_dtype; "
@@ -200,12 +202,15 @@ class EngineConfig:
             return CacheRefresh("interval", self.cache_refresh_interval)
         return parse_cache_refresh(self.cache_refresh)
 
-    def kv_budget_bytes(self, bytes_per_token: int, max_model_len: int) -> int:
-        """The KV pool size: the user's budget, else room for max_num_seqs full canvases (capped;
-        worker/memory.py lowers it further to what the memory budget leaves after the weights)."""
+    def kv_budget_bytes(self, bytes_per_token: int, max_model_len: int,
+                        bytes_per_seq: int = 0) -> int:
+        """The KV pool size: the user's budget, else room for max_num_seqs full canvases (each
+        also `bytes_per_seq`: a sliding-window ring) (capped; worker/memory.py lowers it further
+        to what the memory budget leaves after the weights)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
-        return min(_DEFAULT_KV_BYTES, self.max_num_seqs * max_model_len * bytes_per_token)
+        return min(_DEFAULT_KV_BYTES,
+                   self.max_num_seqs * (max_model_len * bytes_per_token + bytes_per_seq))
 
     @classmethod
     def from_options(cls, model: str, **options) -> "EngineConfig":

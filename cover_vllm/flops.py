@@ -32,6 +32,8 @@ class FlopModel:
     params_per_token: int      # P above
     attn_per_pair: int         # 4 * layers * H * d
     head_per_row: int          # 2 * hidden * vocab
+    self_conditioning_per_row: int = 0   # a uniform-state decoder row's self-conditioning
+                                         # (DiffusionGemma: `decoder_row_flops()`)
 
     @classmethod
     def of(cls, model: torch.nn.Module, dims: ModelDims) -> "FlopModel":
@@ -40,7 +42,8 @@ class FlopModel:
         all of them) gives its own (`flop_coefficients()`: the three fields, in order)."""
         own = getattr(model, "flop_coefficients", None)
         if callable(own):
-            return cls(*own())
+            row = getattr(model, "decoder_row_flops", None)
+            return cls(*own(), row() if callable(row) else 0)
         total = sum(p.numel() for p in model.parameters() if p.dim() == 2)
         per_token = total - 2 * dims.vocab_size * dims.hidden_size     # embedding and head
         return cls(per_token, 4 * dims.num_layers * dims.num_heads * dims.head_dim,
@@ -63,6 +66,27 @@ def item_shape(item) -> tuple[int, int, int]:
     pairs = item.attention_pairs() * copies + extra * (length + extra)
     rows = (item.view_end - item.view_start) * copies + extra
     return tokens, pairs, rows
+
+
+def canvas_item_shapes(item) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((encoded tokens, their attention pairs), (canvas rows, theirs)) of one CanvasItem: its
+    n encoded tokens at positions s.. each over the keys up to itself, its canvas of C rows over
+    everything encoded and the canvas."""
+    n, s = item.num_encode, item.encode_start
+    c = 0 if item.canvas_ids is None else int(item.canvas_ids.numel())
+    return (n, n * s + n * (n + 1) // 2), (c, c * (item.canvas_start + c))
+
+
+def canvas_item_flops(model: FlopModel, item) -> tuple[float, float, int]:
+    """(encoder FLOPs, decoder FLOPs, query rows) of one CanvasItem (`canvas_item_shapes`): no
+    head on the encoded tokens (the encoder's outputs are never read); the head and, after a
+    canvas's first step, self-conditioning on every canvas row."""
+    (n, enc_pairs), (c, dec_pairs) = canvas_item_shapes(item)
+    encoder = model.forward(n, enc_pairs, 0) if n else 0.0
+    decoder = model.forward(c, dec_pairs, c) if c else 0.0
+    if c and item.self_conditioning:
+        decoder += float(model.self_conditioning_per_row * c)
+    return encoder, decoder, n + c
 
 
 def flops_per_token(metrics) -> float:

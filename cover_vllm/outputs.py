@@ -28,6 +28,9 @@ class RequestMetrics:
     latency_s: float = 0.0       # arrival to finish, wall clock
     constraint_s: float = 0.0    # structured_outputs: time spent masking, checking and rolling
                                  # back the grammar (part of the steps' strategy time)
+    canvases: int = 0            # uniform-state canvases finished (DiffusionGemma)
+    accepted_tokens: int = 0     # of their denoising steps: positions that kept their sample
+    encoder_flops: float = 0.0   # the part of `flops` spent encoding prompt and canvases
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -110,3 +110,7 @@ class ModelRunnerOutput:
     host_bytes: int = 0           # and the bytes they moved
     scores: list | None = None    # per SchedulerOutput.score_items entry: its ScoreResult
                                   # (likelihood scoring, cover_vllm/scoring/)
+    canvas_logits: list[torch.Tensor | None] | None = None   # per canvas item: [C, V] float32
+                                  # processed (temperature-scaled) logits; None: encode only
+    canvas_raw: list[torch.Tensor | None] | None = None   # per canvas item: [C, V] raw logits
+                                  # (items that want them: logprobs), else None

@@ -145,6 +145,37 @@ def test_bench_throughput_on_a_block_causal_model_reports_flops_with_and_without
     assert "prefix_hit_rate" in capsys.readouterr().out
 
 
+def test_bench_throughput_on_diffusion_gemma_reports_canvases(tmp_path, capsys):
+    """A uniform-state model with its own decoder (the default: none given): a small dummy
+    shape, one row per batch size, with decoder steps per canvas, the tokens the entropy bound
+    accepted per step and the encoder's share of the FLOPs; and the golden checkpoint, whose
+    sharp random weights accept several tokens a step."""
+    path = tmp_path / "bench.json"
+    code = main(["bench", "throughput", "--model", "diffusion-gemma-mini",
+                 "--input-len", "24", "--output-len", "64", "--batch-size", "1,2",
+                 "--num-prompts", "2", "--threads", "1", "--decoding-params",
+                 '{"max_denoising_steps": 3, "confidence_threshold": 0}', "--json", str(path)])
+    assert code == 0
+    report = json.loads(path.read_text())
+    assert report["reference"] == {"bfloat16": None}
+    rows = report["results"]
+    assert [(r["decoding"], r["kv_cache"], r["batch_size"]) for r in rows] == [
+        ("diffusion_gemma", "-", 1), ("diffusion_gemma", "-", 2)]
+    for r in rows:
+        assert RESULT_KEYS <= set(r) and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        assert r["canvas_steps"] == 3.0 and r["nfe_per_token"] == pytest.approx(3 / 64)
+        assert r["accepted_per_step"] >= 1.0          # rank 0 is always accepted
+        assert 0 < r["encoder_flop_share"] < 0.5
+    code = main(["bench", "throughput", "--model", str(GOLDEN / "diffusion_gemma" / "model"),
+                 "--input-len", "12", "--output-len", "32", "--num-prompts", "2",
+                 "--threads", "1", "--decoding-params", '{"entropy_bound": 2.0}',
+                 "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["accepted_per_step"] > 2 and row["canvas_steps"] <= 48
+    assert "encoder_flop_share" in capsys.readouterr().out
+
+
 def test_bench_prefix_hit_rate_counts_the_rows_shared_prompt_blocks(monkeypatch):
     """Three equal prompts, one at a time: the second and third find every full prompt page the
     first computed (2 of 2 pages each: 2/3 overall); the warm-up's pages were forgotten."""

@@ -219,3 +219,21 @@ def test_int4_groups_follow_the_family_unless_given():
     _, meta = released_meta()
     with pytest.raises(ValueError, match=r"'int4:128'.*experts.down_proj has 704 input"):
         quantize_model(meta, "int4:128")
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4:32"])
+def test_experts_device_path_equals_the_cpu_loop(quantization):
+    """StackedExperts off the CPU (a GPU, the meta device) runs `grouped`: two grouped GEMMs
+    over the expert-sorted rows with the group ends found on the device (no host sync). On the
+    CPU (fp32) it gives the per-expert loop's output."""
+    model = (load_quantized_model(DIR / "model", quantization, pack=False) if quantization
+             else load_model(DIR / "model"))
+    experts = model.model.decoder.layers[1].experts
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=gen)
+    weights = torch.rand(37, 2, generator=gen)
+    # experts 1..3 only: expert 0 gets no row (an empty group)
+    chosen = torch.stack([torch.randperm(3, generator=gen)[:2] + 1 for _ in range(37)])
+    with torch.no_grad():
+        loop, grouped = experts(x, weights, chosen), experts.grouped(x, weights, chosen)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=0)

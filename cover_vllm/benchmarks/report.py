@@ -17,7 +17,9 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("mfu", "{:.1%}"), ("mfu_bound", "{:.1%}"), ("mbu", "{:.1%}"),
            ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
            ("flops_per_token", "{:.4g}"), ("prefix_hit_rate", "{:.1%}"),
-           ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}")]
+           ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}"),
+           ("canvas_steps", "{:.1f}"), ("accepted_per_step", "{:.2f}"),
+           ("encoder_flop_share", "{:.1%}")]
 
 
 def _cell(fmt: str, value) -> str:

@@ -9,6 +9,12 @@ MBU (the weight bytes a step reads as stored, quantized or not, over the measure
 `--quantization` runs the weight-only int8 / int4 model).
 `logits_path` saves the driver's logits of the very first forward (batch 1) so two runs, e.g.
 TP=1 and TP=2, can be compared (`compare_logits`).
+
+A uniform-state model (DiffusionGemma) runs its own decoder instead: `output_len` tokens in whole
+canvases with `denoising_steps` decoder steps per canvas (its adaptive stop off, so every canvas
+takes exactly that many), prompts of ordinary ids; a step is then one decoder forward of every
+canvas (plus, at a canvas's start, the encoder); FLOPs come from the requests' counters (experts
+counted as active per token), reported per generated token and per canvas position and step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from cover_vllm.engine.observer import PHASES
 from cover_vllm.llm import LLM
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.loader import resolve_dtype
+from cover_vllm.models.spec import ModelSpec
 from cover_vllm.sampling_params import SamplingParams
 
 GiB = 1 << 30
@@ -43,6 +50,7 @@ class ScaleSpec:
     batch_sizes: tuple[int, ...] = (1, 4)
     seed: int = 0
     logits_path: str | None = None
+    denoising_steps: int = 2               # uniform-state models: decoder steps per canvas
 
 
 def _capture_first_logits(llm: LLM, path: str) -> None:
@@ -52,22 +60,33 @@ def _capture_first_logits(llm: LLM, path: str) -> None:
 
     def execute(out):
         result = real(out)
-        if not getattr(execute, "done", False):
-            torch.save([t.float() for t in result.logits], path)
+        logits = result.logits or [t for t in result.canvas_logits or [] if t is not None]
+        if logits and not getattr(execute, "done", False):
+            torch.save([t.float() for t in logits], path)
             execute.done = True
         return result
     executor.execute_model = execute
 
 
+def _params(llm: LLM, spec: ScaleSpec) -> tuple[tuple[int, int], SamplingParams]:
+    """The prompt id range and the request of one generate row."""
+    es = llm.engine.spec
+    if es.uniform_state:          # ids above the special ones; its own decoder, fixed steps
+        knobs = {"max_denoising_steps": spec.denoising_steps, "confidence_threshold": 0.0}
+        return (max(es.eos_token_ids) + 1, es.vocab_size), SamplingParams(
+            max_tokens=spec.output_len, ignore_eos=True, seed=spec.seed, decoding_params=knobs)
+    # one block of the whole output; a block-causal model decodes its own blocks
+    block = None if es.attention.is_block_causal else spec.output_len
+    return (0, es.mask_token_id), SamplingParams(   # ids below the mask id are ordinary tokens
+        max_tokens=spec.output_len, block_length=block, ignore_eos=True, decoding="cover",
+        kv_cache="dual", seed=spec.seed)
+
+
 def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
     gen = torch.Generator().manual_seed(spec.seed + batch)
-    vocab = llm.engine.spec.mask_token_id          # ids below the mask id are ordinary tokens
-    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (spec.input_len,),
+    (low, high), params = _params(llm, spec)
+    prompts = [{"prompt_token_ids": torch.randint(low, high, (spec.input_len,),
                                                   generator=gen).tolist()} for _ in range(batch)]
-    # one block of the whole output; a block-causal model decodes its own blocks
-    block = None if llm.engine.spec.attention.is_block_causal else spec.output_len
-    params = SamplingParams(max_tokens=spec.output_len, block_length=block,
-                            ignore_eos=True, decoding="cover", kv_cache="dual", seed=spec.seed)
     llm.engine.step_times = []
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -77,10 +96,19 @@ def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
     totals = [sum(t[p] for p in PHASES) for t in steps]
     window = [s for s, t in zip(totals, steps) if not t["num_refresh"]] or totals
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    flops = sum(llm.engine.flop_model.forward(t["num_tokens"], t["attn_pairs"], t["logit_rows"])
-                for t in steps)
+    ms = [o.metrics for o in outs]
+    if llm.engine.spec.uniform_state:      # encoder + decoder calls: the requests' counters
+        flops = sum(m.flops for m in ms)
+        canvas = {"encoder_flops": sum(m.encoder_flops for m in ms),
+                  "flops_per_position_step": (flops - sum(m.encoder_flops for m in ms))
+                  / max(1, sum(m.nfe for m in ms) * llm.engine.spec.default_block_length)}
+    else:
+        flops = sum(llm.engine.flop_model.forward(t["num_tokens"], t["attn_pairs"],
+                                                  t["logit_rows"]) for t in steps)
+        canvas = {}
     return {"batch_size": batch, "steps": len(steps), "step_s": statistics.mean(totals),
-            "flops": flops, "busy_s": sum(totals),
+            "flops": flops, "busy_s": sum(totals), "flops_per_token": flops / max(tokens, 1),
+            **canvas,
             "window_step_s": statistics.mean(window), "forward_s": statistics.mean(
                 t["forward"] for t in steps), "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "nfe": statistics.mean(o.metrics.nfe for o in outs),
@@ -90,9 +118,12 @@ def _generate(llm: LLM, spec: ScaleSpec, batch: int) -> dict:
 def run_scale(spec: ScaleSpec, log=print) -> dict:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
-    load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
+    resolved = resolve_model(spec.model)
+    load_format = "dummy" if resolved.path is None else "auto"
+    masked = not ModelSpec.from_config(resolved.config).uniform_state
     start = time.perf_counter()
-    llm = LLM(spec.model, decoding="cover", kv_cache="dual", dtype=spec.dtype, seed=spec.seed,
+    llm = LLM(spec.model, decoding="cover" if masked else None, kv_cache="dual",
+              dtype=spec.dtype, seed=spec.seed,
               quantization=spec.quantization,
               tensor_parallel_size=spec.tensor_parallel_size, load_format=load_format,
               kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
@@ -114,7 +145,9 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
         row = _generate(llm, spec, batch)
         report["generate"].append(row)
         log(f"batch {batch}: {row['steps']} steps, {row['step_s']:.2f} s/step "
-            f"({row['window_step_s']:.2f} s per window step), {row['tokens_per_s']:.2f} tok/s")
+            f"({row['window_step_s']:.2f} s per window step), {row['tokens_per_s']:.2f} tok/s, "
+            f"{row['flops_per_token'] / 1e9:.2f} GFLOP/token; peak RSS "
+            f"{[round(b / GiB, 2) for b in llm.engine.peak_memory_bytes()]} GiB")
     report["peak_rss"] = llm.engine.peak_memory_bytes()
     _roofline(llm, report)
     llm.shutdown()
@@ -147,12 +180,12 @@ def format_scale(report: dict) -> str:
              f"load {report['load_s']:.1f} s, weights {report['weight_bytes'] / GiB:.2f} GiB, "
              f"KV {report['kv_bytes'] / GiB:.2f} GiB ({report['kv_pages']} pages), "
              f"peak RSS per rank [{peaks}] GiB",
-             "| batch | steps | s/step | s/window step | tokens/s | NFE | MFU | MBU |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batch | steps | s/step | s/window step | tokens/s | NFE | GFLOP/token | MFU | "
+             "MBU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["generate"]:
         lines.append(f"| {r['batch_size']} | {r['steps']} | {r['step_s']:.2f} | "
                      f"{r['window_step_s']:.2f} | {r['tokens_per_s']:.2f} | {r['nfe']:.0f} | "
-                     f"{r['mfu']:.1%} | {r['mbu']:.1%} |")
+                     f"{r['flops_per_token'] / 1e9:.2f} | {r['mfu']:.1%} | {r['mbu']:.1%} |")
     return "\n".join(lines)
 
 

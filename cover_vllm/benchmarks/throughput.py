@@ -1,6 +1,11 @@
 """`cover-vllm bench throughput`: every (decoding, kv_cache, cache_refresh, batch size) combination
 in one run (refresh policies apply to the prefix/dual rows; `none` runs once).
 
+A uniform-state model (DiffusionGemma) runs its own decoder (default `diffusion_gemma`) in one
+row per decoding and batch size (its encoder cache is exact: no cache modes), with no reference
+loop (that loop is LLaDA's), and reports what its steps do instead: decoder steps per canvas,
+tokens the entropy bound accepted per step, and the encoder's share of the model FLOPs.
+
 Prompts are random token ids (every request decodes exactly --output-len slots, ignore_eos) or a
 task's held-out split (--task: accuracy from the task's verifier; tokens counted up to EOS).
 Each combination gets a warm-up first. A separately written dense loop (reference_decode: no
@@ -100,6 +105,16 @@ class ThroughputRow:
                                        # scheduling, layout, decisions, their copy, updates
     host_bytes_per_step: float = 0.0   # bytes copied from the device to the host per step
                                        # (0 on a CPU engine: nothing moves)
+    canvas_steps: float | None = None  # uniform-state: decoder steps per canvas (mean)
+    accepted_per_step: float | None = None   # positions the entropy bound accepted per step
+    encoder_flop_share: float | None = None  # encoder FLOPs / all model FLOPs
+
+
+def default_decodings(model: str) -> tuple[str, ...]:
+    """The bench's decoders when none are given: low_confidence, or a uniform-state model's
+    own (the only kind it can run)."""
+    spec = ModelSpec.from_config(resolve_model(model).config)
+    return (spec.default_decoding,) if spec.uniform_state else ("low_confidence",)
 
 
 def prefix_hit_rate(metrics) -> float | None:
@@ -129,17 +144,24 @@ class Workload:
             self.output_len, self.block_length = self.task.max_tokens, self.task.block_length
         else:
             es = llm.engine.spec
-            vocab = min(es.eos_token_ids + (es.mask_token_id,))
+            # below EOS and [MASK]; uniform-state: above the special ids (pad, EOS, bos)
+            low, high = ((max(es.eos_token_ids) + 1, es.vocab_size) if es.uniform_state
+                         else (0, min(es.eos_token_ids + (es.mask_token_id,))))
             rng = random.Random(spec.seed)
-            self.prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in
+            self.prompts = [{"prompt_token_ids": [rng.randrange(low, high) for _ in
                                                   range(spec.input_len)]} for _ in range(n)]
             self.output_len = spec.output_len
             self.block_length = spec.block_length or llm.engine.spec.default_block_length
         self.eos = set(llm.engine.spec.eos_token_ids)
+        self.uniform_state = llm.engine.spec.uniform_state
 
     def params(self, spec: ThroughputSpec, decoding: str, cache: tuple[str, str]
                ) -> SamplingParams:
         kv, refresh = cache
+        if self.uniform_state:            # whole canvases; no block, steps or cache knobs
+            return SamplingParams(max_tokens=self.output_len, ignore_eos=self.task is None,
+                                  decoding=decoding,
+                                  decoding_params=dict(spec.decoding_params).get(decoding))
         return SamplingParams(max_tokens=self.output_len, block_length=self.block_length,
                               steps=spec.steps, ignore_eos=self.task is None, decoding=decoding,
                               decoding_params=dict(spec.decoding_params).get(decoding),
@@ -163,9 +185,10 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
                   read_gbps: float) -> dict | None:
     """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
     model = llm.engine.executor.model
-    if count <= 0 or model.spec.logit_shift != 0 or model.spec.attention.is_block_causal:
+    if count <= 0 or model.spec.logit_shift != 0 or model.spec.attention.is_block_causal \
+            or model.spec.uniform_state:
         return None                      # the reference loop is LLaDA's (no logit shift, full
-                                         # attention)
+                                         # attention, [MASK])
     prompts = [p["prompt_token_ids"] for p in work.prompts[:count]]
     tokens, start = 0, time.perf_counter()
     for ids in prompts:
@@ -212,7 +235,10 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
     per_token = engine.flop_model.params_per_token
     total = sum(t["schedule"] + t["prepare"] + t["forward"] + t["strategy"] + t["update"]
                 for t in times)
-    flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
+    if engine.spec.uniform_state:        # encoder and decoder calls: the requests' own counts
+        flops = sum(o.metrics.flops for o in outs)
+    else:
+        flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
     overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
     steps = max(len(times), 1)
     host_ms = 1e3 * (total - sum(t["forward"] for t in times)) / steps
@@ -230,6 +256,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     load_format = "dummy" if resolved.path is None else "auto"
     report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
               "quantization": spec.quantization}
+    if not spec.decodings:
+        spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]
@@ -259,6 +287,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
     read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
+    if work.uniform_state:
+        caches = [("-", "-")]
 
     def record(combo: tuple[str, str, str], measured: list[_Run]) -> None:
         """Append and log the row of one combination from its runs (the median run's times)."""
@@ -294,12 +324,15 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
             tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
             prefix_hit_rate=prefix_hit_rate(ms), host_ms_per_step=host_ms,
-            host_bytes_per_step=host_bytes)
+            host_bytes_per_step=host_bytes, **_canvas_stats(ms, work))
         if spec.device == "meta":           # no arithmetic ran: rates against peaks mean nothing
             row = dataclasses.replace(row, mfu=None, mfu_bound=None, mbu=None)
         report["results"].append(asdict(row))
+        canvas = ("" if row.canvas_steps is None else
+                  f"  steps/canvas {row.canvas_steps:.1f}  accepted/step "
+                  f"{row.accepted_per_step:.2f}  encoder FLOPs {row.encoder_flop_share:.1%}")
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-            f"{row.tokens_per_s:8.1f} tok/s  {_rates(row)}  refreshes "
+            f"{row.tokens_per_s:8.1f} tok/s  {_rates(row)}{canvas}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
             f"{overhead:.0%}  host {host_ms:.1f} ms/step, {host_bytes / 1e3:.1f} kB/step to "
             f"the host  ({seconds:.1f}s{_spread(row)})")
@@ -312,6 +345,17 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             runs[combo].append(_measure(llm, work, work.params(spec, decoding, (kv, refresh))))
             if last:
                 record(combo, runs[combo])
+
+
+def _canvas_stats(ms: list, work: Workload) -> dict:
+    """A uniform-state row's canvas columns (empty for a masked-diffusion row)."""
+    if not work.uniform_state:
+        return {}
+    flops = sum(m.flops for m in ms)
+    return {"canvas_steps": sum(m.nfe for m in ms) / max(1, sum(m.canvases for m in ms)),
+            "accepted_per_step": sum(m.accepted_tokens for m in ms) / max(1, sum(m.steps
+                                                                              for m in ms)),
+            "encoder_flop_share": sum(m.encoder_flops for m in ms) / flops if flops else 0.0}
 
 
 def _rates(row: ThroughputRow) -> str:

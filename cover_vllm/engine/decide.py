@@ -40,7 +40,7 @@ def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
     return out
 
 
-def _stack_logits(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+def stack_logits(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     """Per-request logits [len_i, V] -> [n, width, V]: a view, not a copy, when they are
     equal-length back-to-back slices of one tensor (the runner's split of its logits, the
     usual case: copying them cost 2.5 ms of a 16-request llada-50m step). The runner's logits
@@ -106,7 +106,7 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     host = _canvas_rows(reqs, items, width)
     params = [r.params for r in reqs]
     extra = _extras(extra_logits, device)
-    padded = _stack_logits(logits, width)
+    padded = stack_logits(logits, width)
     with torch.inference_mode():                   # the runner's logits are inference tensors
         padded[..., reqs[0].mask_id] = float("-inf")  # [MASK] is never a proposal (else: stuck)
     dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))  # noqa: E731

@@ -13,15 +13,18 @@ import torch
 
 from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
+from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_decoder,
+                                              first_canvases, run_canvas_decoders)
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.engine.parallel_sampling import ParentRequest
-from cover_vllm.engine.setup import (load_tokenizer_if_any, log_trust_remote_code,
-                                     prefix_caching, request_generator)
+from cover_vllm.engine.setup import (check_length, load_tokenizer_if_any,
+                                     log_trust_remote_code, prefix_caching, prompt_ids,
+                                     request_generator)
 from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
-from cover_vllm.flops import FlopModel, item_shape
+from cover_vllm.flops import FlopModel, canvas_item_flops, item_shape
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import resolve_engine_model
@@ -31,6 +34,7 @@ from cover_vllm.models.quantization import (check_quantization, parse_quantizati
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scheduler.canvas_request import CanvasRequest
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
@@ -38,6 +42,7 @@ from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
+from cover_vllm.strategies.canvas import CanvasDecoder
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
 from cover_vllm.worker.worker import rank_device
@@ -63,10 +68,12 @@ class Engine:
                              "load_format='dummy' (--load-format dummy) for random weights, or "
                              "a checkpoint directory")
         self.spec = ModelSpec.from_config(resolved.config).with_max_model_len(
-            config.max_model_len)
+            config.max_model_len).with_generation_config(resolved.generation_config())
         if config.trust_remote_code:
             log_trust_remote_code(self.spec.family)
+        config = config.with_overrides(decoding=config.decoding or self.spec.default_decoding)
         self.stage = StrategyStage(self.spec, config.decoding)   # fails early on a bad default
+        check_decoder(self.stage.strategy(None, None), self.spec, "the engine's decoding")
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
         meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
@@ -76,9 +83,11 @@ class Engine:
         quantize_model(meta, self.quantization)                # the plan counts quantized bytes
         self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
         # the resolved KV budget travels to every rank (the same page count everywhere)
-        self.config = config = config.with_overrides(kv_cache_memory_bytes=self.memory.kv_bytes)
+        self.config = config = config.with_overrides(
+            kv_cache_memory_bytes=self.memory.budget_bytes)
         self.tokenizer_dir = resolved.tokenizer_dir
-        self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir, required=config.tokenizer is not None)
+        self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir,
+                                               required=config.tokenizer is not None)
         if self.tokenizer is None:
             logger.warning("model %r has no tokenizer: prompts must be token ids; outputs carry "
                            "the generated token ids (token_ids) and empty text", resolved.name)
@@ -86,7 +95,8 @@ class Engine:
         logger.info(self.memory.startup_line())
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift,
-                                   prefix_caching=prefix_caching(config, self.spec))
+                                   prefix_caching=prefix_caching(config, self.spec),
+                                   num_rings=self.memory.num_rings)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids)
         self.refresh_policy = config.refresh_policy
         self._requests: dict[str, Request] = {}
@@ -117,6 +127,9 @@ class Engine:
                 or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
         if isinstance(params, LoglikelihoodParams):
+            if self.spec.uniform_state:
+                raise ValueError(f"{self.spec.family} has no [MASK] token, so the masked "
+                                 "likelihood estimator (LoglikelihoodParams) does not apply")
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 \
                 + next(self._counter)
             self.scheduler.scoring.add(scoring_request(self.spec, self.tokenizer, request_id,
@@ -124,14 +137,20 @@ class Engine:
             return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(prompt, self.spec.vocab_size, self.tokenize)
         strategy = self.stage.strategy(params.decoding, params.decoding_params)
-        strategy.check_steps(params.steps, params.max_tokens)
+        check_decoder(strategy, self.spec, "decoding")
+        if isinstance(strategy, CanvasDecoder):
+            strategy.check_request(params)
+            if params.structured_outputs is not None:
+                raise ValueError(CANVAS_STRUCTURED_REFUSAL)
+        else:
+            strategy.check_steps(params.steps, params.max_tokens)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
-        self._check_length(len(ids), params)
+        check_length(self.spec, self.config, len(ids), params)
         if params.n == 1:
             self._queue([self._request(request_id, text, ids, params, strategy)])
             return
@@ -144,28 +163,14 @@ class Engine:
         self._parents[request_id] = parent
         self._parent_of.update(dict.fromkeys(parent.child_ids, parent))
 
-    def _check_length(self, prompt_len: int, params: SamplingParams) -> None:
-        """ValueError naming the field at fault when the canvas exceeds max_model_len: the
-        prompt when it leaves no room for a single token, else max_tokens."""
-        kind, limit = self.spec.attention, self.spec.max_model_len
-        block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
-        room = limit // block * block - prompt_len   # block-causal: canvases end on a block
-        whose = "the model's" if self.config.max_model_len is None else "the engine's"
-        if room < 1:
-            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a generated "
-                             f"token within {whose} max length max_model_len={limit}: "
-                             "shorten the prompt")
-        if params.max_tokens > room:
-            total = -(-(prompt_len + params.max_tokens) // block) * block
-            raise ValueError(f"max_tokens ({params.max_tokens}) + prompt ({prompt_len} tokens) "
-                             f"needs a {total}-token canvas, beyond {whose} max length "
-                             f"max_model_len={limit}: give max_tokens <= {room}")
-
     def _request(self, request_id: str, text: str | None, ids: list[int],
                  params: SamplingParams, strategy) -> Request:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
         generator = request_generator(self.device, seed)
+        if isinstance(strategy, CanvasDecoder):
+            return CanvasRequest(request_id, text, ids, params, strategy, generator,
+                                 self.spec.default_block_length)
         refresh = (self.refresh_policy if params.cache_refresh is None
                    else parse_cache_refresh(params.cache_refresh))
         req = Request(request_id, text, ids, params, strategy, generator,
@@ -199,28 +204,8 @@ class Engine:
         if self._grammar_backend is None:
             self._grammar_backend = GrammarBackend(
                 self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids,
-                forbidden_ids=(self.spec.mask_token_id,))
+                forbidden_ids=() if self.spec.uniform_state else (self.spec.mask_token_id,))
         return self._grammar_backend
-
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenize(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
-            prompt = prompt["prompt_token_ids"]
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise TypeError("prompt must be a string, a list of token ids, or "
-                            "{'prompt_token_ids': [int, ...]}")
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
-        return None, list(prompt)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids are
@@ -245,7 +230,8 @@ class Engine:
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
         (admitted, not finished), scoring requests included."""
-        ids = [self._user_id(r.request_id) for r in self.scheduler.running]
+        ids = [self._user_id(r.request_id)
+               for r in (*self.scheduler.running, *self.scheduler.canvases.running)]
         ids += [r.request_id for r in self.scheduler.scoring.running]
         return list(dict.fromkeys(ids))
 
@@ -254,10 +240,11 @@ class Engine:
         return request_id if parent is None else parent.request_id
 
     def load(self) -> EngineLoad:
-        scoring = self.scheduler.scoring
-        return EngineLoad(len(self.scheduler.running) + len(scoring.running),
-                          len(self.scheduler.waiting) + len(scoring.waiting),
-                          self.pool.num_used, self.pool.num_pages)
+        scoring, canvases = self.scheduler.scoring, self.scheduler.canvases
+        return EngineLoad(
+            len(self.scheduler.running) + len(scoring.running) + len(canvases.running),
+            len(self.scheduler.waiting) + len(scoring.waiting) + len(canvases.waiting),
+            self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | LoglikelihoodOutput]:
@@ -265,8 +252,9 @@ class Engine:
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
         clock = StepClock()
+        copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
-        if not out.items and not out.score_items:
+        if not out.items and not out.score_items and not out.canvas_items:
             return []
         clock.lap("schedule")
         self._notify("on_schedule", out)
@@ -275,11 +263,12 @@ class Engine:
             torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
         clock.lap("forward")
         self._account(out, result)
-        copies, moved = self.transfer.copies, self.transfer.bytes
         decisions = self.stage.decide(out, self._requests, result, self._observers,
                                       self.transfer)
+        canvas = (run_canvas_decoders(out.canvas_items, self._requests, result, self.transfer)
+                  if out.canvas_items else {})
         clock.lap("strategy")
-        outputs = self._apply(out, decisions)
+        outputs = self._apply(out, decisions) + self._apply_canvases(out, canvas)
         if out.score_items:                 # likelihood scoring: fold in the forward's totals
             outputs += self.scheduler.scoring.update(out.score_items, result.scores)
         clock.lap("update")
@@ -294,6 +283,7 @@ class Engine:
         """Admit what the pages allow, ask every running request's strategy for its plan
         (seeds, extra rows, embedding edits, cfg), and pack the work items."""
         running = self.scheduler.admit()
+        first_canvases(self.scheduler.canvases.take_admitted(), self.device, self.transfer)
         return self.scheduler.pack(running, self.stage.plan(running))
 
     def _account(self, out: SchedulerOutput, result) -> None:
@@ -305,17 +295,38 @@ class Engine:
             tokens, pairs, rows = item_shape(item)
             self._requests[item.request_id].charge(
                 tokens, self.flop_model.forward(tokens, pairs, rows), mass, column)
+        for item in out.canvas_items:
+            self._requests[item.request_id].charge(*canvas_item_flops(self.flop_model, item))
 
     def _apply(self, out: SchedulerOutput,
                decisions: dict[str, RowDecision]) -> list[RequestOutput]:
         """Each request applies its decision; a request whose block became FINAL yields an
         output (finished, or a partial one whose text can never change: streaming sends only
         FINAL text)."""
-        outputs, parents = [], {}
+        events = []
         for item in out.items:
             req = self._requests[item.request_id]
-            event = req.finish_step(item, decisions[item.request_id], self.outputs.check_stop)
+            events.append((req, req.finish_step(item, decisions[item.request_id],
+                                                self.outputs.check_stop)))
             self.scheduler.index_prefix(req)
+        return self._report(events)
+
+    def _apply_canvases(self, out: SchedulerOutput, decisions: dict) -> list[RequestOutput]:
+        """Each denoised canvas request applies its decision; one whose canvas stopped yields
+        an output (finished, or partial: a canvas became FINAL)."""
+        events = []
+        for item in out.canvas_items:
+            if item.request_id in decisions:            # else it only encoded this step
+                req = self._requests[item.request_id]
+                events.append((req, req.finish_step(*decisions[item.request_id],
+                                                    self.outputs.check_stop)))
+        return self._report(events)
+
+    def _report(self, events: list) -> list[RequestOutput]:
+        """Outputs of the requests whose step ended a block / canvas or the request (finished
+        ones leave the scheduler); n > 1 children's merged into one per parent."""
+        outputs, parents = [], {}
+        for req, event in events:
             if event is None:
                 continue
             if event != "block":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from cover_vllm.flops import item_shape
+from cover_vllm.flops import canvas_item_shapes, item_shape
 
 PHASES = ("schedule", "prepare", "forward", "strategy", "update")
 
@@ -40,10 +40,14 @@ class StepRecord:
     def of(cls, laps: dict[str, float], prepare_s: float, out, host_copies: int = 0,
            host_bytes: int = 0) -> "StepRecord":
         shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
+        for item in out.canvas_items:                     # uniform-state: encoder + decoder
+            (n, enc), (c, dec) = canvas_item_shapes(item)
+            shapes.append((n + c, enc + dec, c))
         return cls(schedule=laps["schedule"], prepare=prepare_s,
                    forward=laps["forward"] - prepare_s, strategy=laps["strategy"],
                    update=laps["update"], num_tokens=sum(t for t, _, _ in shapes),
-                   num_seqs=len(out.items), num_refresh=sum(i.is_refresh for i in out.items),
+                   num_seqs=len(out.items) + len(out.canvas_items),
+                   num_refresh=sum(i.is_refresh for i in out.items),
                    attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes),
                    host_copies=host_copies, host_bytes=host_bytes)
 

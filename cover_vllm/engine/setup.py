@@ -1,6 +1,6 @@
 """What an Engine settles once, at start, and per request: whether prompt blocks are shared
-(prefix caching), its tokenizer, the trust_remote_code log line, and each request's random
-stream (on the device where decisions are made)."""
+(prefix caching), its tokenizer, the trust_remote_code log line, a request's prompt ids and
+length check, and each request's random stream (on the device where decisions are made)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import functools
 import torch
 
 from cover_vllm.config import EngineConfig
+from cover_vllm.engine.canvas_decide import check_canvas_length
 from cover_vllm.logger import init_logger
 from cover_vllm.models.spec import ModelSpec
+from cover_vllm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -50,3 +52,47 @@ def log_trust_remote_code(family: str) -> None:
     """Said once per process: vLLM users pass trust_remote_code=True out of habit."""
     logger.info("trust_remote_code=True accepted: cover_vllm implements the %s architecture "
                 "itself and never runs code shipped with a checkpoint", family)
+
+
+def prompt_ids(prompt, vocab_size: int, tokenize) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text, ids or {"prompt_token_ids": ids};
+    ValueError / TypeError naming what is wrong."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt, tokenize(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
+        prompt = prompt["prompt_token_ids"]
+    if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise TypeError("prompt must be a string, a list of token ids, or "
+                        "{'prompt_token_ids': [int, ...]}")
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {vocab_size})")
+    return None, list(prompt)
+
+
+def check_length(spec: ModelSpec, config: EngineConfig, prompt_len: int,
+                 params: SamplingParams) -> None:
+    """ValueError naming the field at fault when the canvas exceeds max_model_len: the prompt
+    when it leaves no room for a single token, else max_tokens (a uniform-state model's
+    canvases are whole: max_tokens rounds up to canvas_length)."""
+    if spec.uniform_state:
+        return check_canvas_length(spec, prompt_len, params.max_tokens)
+    kind, limit = spec.attention, spec.max_model_len
+    block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
+    room = limit // block * block - prompt_len   # block-causal: canvases end on a block
+    whose = "the model's" if config.max_model_len is None else "the engine's"
+    if room < 1:
+        raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a generated token "
+                         f"within {whose} max length max_model_len={limit}: shorten the prompt")
+    if params.max_tokens > room:
+        total = -(-(prompt_len + params.max_tokens) // block) * block
+        raise ValueError(f"max_tokens ({params.max_tokens}) + prompt ({prompt_len} tokens) "
+                         f"needs a {total}-token canvas, beyond {whose} max length "
+                         f"max_model_len={limit}: give max_tokens <= {room}")

@@ -62,8 +62,9 @@ def _decoding_params(value: dict | None, decodings: tuple[str, ...]) -> dict:
 
 
 def _bench_spec(args: argparse.Namespace):
-    from cover_vllm.benchmarks.throughput import ThroughputSpec
+    from cover_vllm.benchmarks.throughput import ThroughputSpec, default_decodings
 
+    args.decoding = args.decoding or default_decodings(args.model)
     params = _decoding_params(args.decoding_params, args.decoding)
     kv_caches, refreshes = _cache_choices(args)
     return ThroughputSpec(model=args.model, decodings=args.decoding, kv_caches=kv_caches,
@@ -153,7 +154,8 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                      memory_utilization=args.memory_utilization, threads=args.num_threads,
                      input_len=args.input_len, output_len=args.output_len,
-                     batch_sizes=args.batch_size, seed=args.seed, logits_path=args.dump_logits)
+                     batch_sizes=args.batch_size, seed=args.seed, logits_path=args.dump_logits,
+                     denoising_steps=args.denoising_steps)
     report = run_scale(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_scale(report))
     if args.json:
@@ -163,8 +165,9 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
 
 def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
     p.add_argument("--model", default="cover-tiny", help=MODEL_HELP)
-    p.add_argument("--decoding", type=csv, default=("low_confidence",),
-                   help="strategies, comma-separated")
+    p.add_argument("--decoding", type=csv, default=None,
+                   help="strategies, comma-separated; a uniform-state model runs its own, "
+                   "diffusion_gemma for DiffusionGemma (default: low_confidence)")
     p.add_argument("--decoding-params", type=json_obj, default=None,
                    help='JSON: {"knob": v} or {"<strategy>": {...}, ...}')
     p.add_argument("--kv-cache", type=csv, default=("dual",),
@@ -296,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--output-len", type=positive_int, default=32, help="generated tokens")
     sc.add_argument("--batch-size", type=positive_ints, default=(1, 4),
                     help="batch sizes, comma-separated")
+    sc.add_argument("--denoising-steps", type=positive_int, default=2,
+                    help="uniform-state models (DiffusionGemma): decoder steps per canvas")
     sc.add_argument("--dump-logits", default=None, help="save the first forward's logits here")
     sc.add_argument("--json", default=None, help="write the report here")
     sc.set_defaults(func=cmd_bench_scale)

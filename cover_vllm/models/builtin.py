@@ -45,16 +45,24 @@ class ResolvedModel:
         model's (None for a weightless built-in shape)."""
         return self.tokenizer_path if self.tokenizer_path is not None else self.path
 
+    def generation_config(self) -> dict[str, Any]:
+        """generation_config.json as a dict ({} when the checkpoint has none)."""
+        file = self.path / "generation_config.json" if self.path is not None else None
+        if file is None or not file.is_file():
+            return {}
+        try:
+            config = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file} is not a JSON object: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{file} is not a JSON object")
+        return config
+
     def max_new_tokens(self) -> int | None:
         """The generation length the checkpoint declares (`max_new_tokens` in
         generation_config.json, as Hugging Face writes it), or None when it declares none."""
+        value = self.generation_config().get("max_new_tokens")
         file = self.path / "generation_config.json" if self.path is not None else None
-        if file is None or not file.is_file():
-            return None
-        try:
-            value = json.loads(file.read_text()).get("max_new_tokens")
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise ValueError(f"{file} is not a JSON object: {exc}") from None
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -187,6 +187,25 @@ DIFFUSION_GEMMA_26B_A4B: dict[str, Any] = {
 }
 
 
+# Not a released model: DIFFUSION_GEMMA_26B_A4B's structure (sliding and full layers with their
+# own head sizes, k_eq_v, proportional RoPE, dense MLP beside a top-k MoE, soft-capping, the
+# canvas) at a size the benchmarks run in seconds on a few cores (`bench throughput`,
+# load_format="dummy"): hidden 512, 6 layers = 5 sliding + 1 full, 8 heads, 4 kv heads x 64 on
+# sliding layers, 2 x 128 on the full one, dense MLP 1024, 16 experts top-4 x 256, window 128,
+# vocab 32768, canvas 64. bf16 like the released one.
+DIFFUSION_GEMMA_MINI: dict[str, Any] = {
+    **DIFFUSION_GEMMA_26B_A4B, "canvas_length": 64,
+    "text_config": {
+        **DIFFUSION_GEMMA_26B_A4B["text_config"], "hidden_size": 512, "intermediate_size": 1024,
+        "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "global_head_dim": 128, "num_global_key_value_heads": 2,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 128,
+        "num_experts": 16, "top_k_experts": 4, "moe_intermediate_size": 256,
+        "vocab_size": 32768, "max_position_embeddings": 8192,
+    },
+}
+
+
 def __getattr__(name: str) -> Any:
     """`DUMMY_CONFIGS`: every built-in shape by name, from the registry (one source of truth)."""
     if name == "DUMMY_CONFIGS":

@@ -40,6 +40,9 @@ from cover_vllm.models.gemma4_layers import GeGLU, GemmaRMSNorm, GemmaRope, Gemm
 from cover_vllm.models.spec import ModelSpec
 
 
+SOFT_CHUNK_BYTES = 1 << 26      # self-conditioning: fp32 softmax rows taken at once (64 MiB)
+
+
 class _Scalar(nn.Module):
     """The encoder's `layer_scalar` of one layer (its own, not the decoder's)."""
 
@@ -98,16 +101,27 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         return table(input_ids) * scale.to(table.weight.dtype)
 
     def decoder_inputs(self, canvas_ids: torch.Tensor,
-                       self_conditioning_logits: torch.Tensor | None) -> torch.Tensor:
-        """[N] canvas ids (+ [N, V] previous logits) -> [N, hidden] decoder input embeddings."""
+                       self_conditioning_logits: torch.Tensor | None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N] canvas ids (+ [M, V] previous logits of the rows `rows` [M], None: all N) ->
+        [N, hidden] decoder input embeddings; rows without logits get sc = 0 exactly (no
+        biases), as if the module were skipped."""
         x = self.embed(canvas_ids)
-        if self_conditioning_logits is not None:          # else sc = 0 exactly (no biases)
-            table = self.model.decoder.embed_tokens.weight
-            probs = F.softmax(self_conditioning_logits.float(), dim=-1).to(table.dtype)
-            scale = torch.tensor(table.shape[1] ** 0.5, dtype=torch.float32).to(table.dtype)
-            soft = (probs @ table) * scale                                   # [N, hidden]
-            x = x + self.model.decoder.self_conditioning(soft)
+        if self_conditioning_logits is not None:
+            sc = self.model.decoder.self_conditioning(self._soft_embedding(
+                self_conditioning_logits))
+            x = x + sc if rows is None else x.index_add(0, rows, sc)
         return self.input_norm(x)
+
+    def _soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """[M, V] logits -> softmax(logits, fp32) @ embedding * sqrt(hidden): [M, hidden], the
+        full-vocabulary softmax taken SOFT_CHUNK_BYTES of rows at a time."""
+        table = self.model.decoder.embed_tokens.weight
+        scale = torch.tensor(table.shape[1] ** 0.5, dtype=torch.float32).to(table.dtype)
+        rows = max(1, SOFT_CHUNK_BYTES // (logits.shape[-1] * 4))
+        parts = [F.softmax(chunk.float(), dim=-1).to(table.dtype) @ table
+                 for chunk in logits.split(rows)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)) * scale
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attn, encoder: bool):
         """Run the stack: the encoder's scalars and, on its last layer, only the K/V (its
@@ -127,8 +141,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] (final-normed) -> [N, vocab] fp32 logits, soft-capped."""
         logits = F.linear(hidden, self.model.decoder.embed_tokens.weight).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.softcap:          # in place: tanh(x / cap) * cap, one [N, V] tensor at a time
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     # ---- the dense route: transformers' forward -------------------------------------------
@@ -195,10 +209,12 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         soft-capped, on the model's device: the caller scales them by the step's temperature
         and hands them back as the next step's `self_conditioning_logits`."""
         b, c = batch.canvas_ids.shape
-        sc = batch.self_conditioning_logits
-        sc = None if sc is None else sc.reshape(b * c, -1)
+        sc, rows = batch.self_conditioning_logits, batch.self_conditioning_rows
+        sc = None if sc is None else sc.reshape(-1, sc.shape[-1])
+        if rows is not None:                          # canvas -> its C flat rows
+            rows = (rows[:, None] * c + torch.arange(c, device=rows.device)).reshape(-1)
         attn = PagedDecoderAttention(batch, kv, self.kinds, self.window)
-        hidden = self._layers(self.decoder_inputs(batch.canvas_ids.reshape(-1), sc),
+        hidden = self._layers(self.decoder_inputs(batch.canvas_ids.reshape(-1), sc, rows),
                               batch.positions.reshape(-1), attn, encoder=False)
         return self.compute_logits(hidden).view(b, c, -1)
 

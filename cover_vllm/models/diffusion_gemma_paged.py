@@ -71,8 +71,11 @@ class DecodeBatch:
     positions: torch.Tensor               # [B, C] absolute (canvas k of a sequence: after
                                           # everything encoded before it)
     keys: dict[str, KVTable]              # layer kind -> each canvas's encoded context
-    self_conditioning_logits: torch.Tensor | None = None   # [B, C, V] the previous step's
+    self_conditioning_logits: torch.Tensor | None = None   # [B', C, V] the previous step's
                                           # processed logits, on the model's device
+    self_conditioning_rows: torch.Tensor | None = None     # [B'] long: the canvases those
+                                          # logits belong to (None: all B); the others (a
+                                          # canvas's first step) get none
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

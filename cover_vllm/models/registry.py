@@ -96,6 +96,7 @@ class Family:
                                            # loaded nor built (a text-only model's vision tower)
     int4_group: int | None = None          # `quantization="int4"`'s group for this family
                                            # (None: models/quant_format.py's default)
+    default_decoding: str = "cover"        # the engine's decoder when `decoding` is unset
 
     def model_cls(self) -> type:
         module, cls = self.model_class
@@ -143,7 +144,8 @@ FAMILIES: tuple[Family, ...] = (
            "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
            fused_tensors=llada2_fused_tensors,
            shapes={"llada2-mini": configs.LLADA2_MINI, "llada2.1-mini": configs.LLADA2_MINI}),
-    # uniform-state canvases (no [MASK]); the canvas (`canvas_length`) is its block; text only:
+    # uniform-state canvases (no [MASK]) decoded by its own sampler; the canvas (`canvas_length`)
+    # is its block; text only:
     # the vision tower is never loaded; int4 groups of 64: Gemma 4's widths 704 and 2112 are
     # multiples of 64, not of 128
     Family("diffusion_gemma", ("diffusion_gemma",),
@@ -151,8 +153,9 @@ FAMILIES: tuple[Family, ...] = (
            "DiffusionGemmaForBlockDiffusion", default_block_length=256,
            flat_config=flatten_config, mask_token=False,
            ignored_tensors=("model.encoder.vision_tower.*", "model.encoder.embed_vision.*"),
-           int4_group=64,
-           shapes={"diffusion-gemma-26b-a4b": configs.DIFFUSION_GEMMA_26B_A4B}),
+           int4_group=64, default_decoding="diffusion_gemma",
+           shapes={"diffusion-gemma-26b-a4b": configs.DIFFUSION_GEMMA_26B_A4B,
+                   "diffusion-gemma-mini": configs.DIFFUSION_GEMMA_MINI}),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

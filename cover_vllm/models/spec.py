@@ -58,7 +58,15 @@ class ModelSpec:
     threshold_quota: bool = False
     saber_dream: bool = False        # Saber's decoder is its Dream port (Dream/generation_utils.py)
     attention: AttentionKind = AttentionKind()   # which keys each query row sees
+    default_decoding: str = "cover"  # the family's decoder when the engine's `decoding` is unset
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # generation_config.json (the engine sets it; {} for a weightless shape): decoder defaults
+    generation_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def uniform_state(self) -> bool:
+        """No [MASK] token: canvases start uniformly random (DiffusionGemma)."""
+        return self.mask_token_id is None
 
     def predictor_row(self, position: int) -> int:
         """Row whose logits predict canvas `position` (ALGORITHMS.md §1.2, π(s))."""
@@ -96,6 +104,7 @@ class ModelSpec:
             threshold_quota=family.threshold_quota,
             saber_dream=family.saber_dream,
             attention=attention,
+            default_decoding=family.default_decoding,
             hf_config=dict(config),
         )
 
@@ -111,6 +120,10 @@ class ModelSpec:
                 f"max_position_embeddings); give at most {self.max_model_len}, or leave it "
                 "unset")
         return replace(self, max_model_len=max_model_len)
+
+    def with_generation_config(self, generation_config: dict[str, Any]) -> "ModelSpec":
+        """This spec with the checkpoint's generation_config.json (decoder defaults)."""
+        return replace(self, generation_config=dict(generation_config))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelSpec":

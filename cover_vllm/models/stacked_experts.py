@@ -62,7 +62,11 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 chosen: torch.Tensor) -> torch.Tensor:
-        """x [T, H], routing weights [T, k] (fp32) and expert ids [T, k] -> [T, H] in x.dtype."""
+        """x [T, H], routing weights [T, k] (fp32) and expert ids [T, k] -> [T, H] in x.dtype.
+        On the CPU one matmul per expert (its row count read on the host, which costs
+        nothing there); on any other device in bf16 `grouped` (no host sync)."""
+        if x.device.type != "cpu" and x.dtype == torch.bfloat16:
+            return self.grouped(x, weights, chosen)
         k = chosen.shape[1]
         flat = chosen.reshape(-1)                               # [T * k], token-major
         order = flat.argsort(stable=True)                       # slots grouped by expert
@@ -80,6 +84,34 @@ class StackedExperts(nn.Module):
             out.index_add_(0, rows, y.float() * slot_weight[start:start + count])
             start += count
         return out.to(x.dtype)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        """`forward` as two grouped GEMMs (`F.grouped_mm`) over the rows sorted by expert, the
+        group ends found on the device (searchsorted), so the host never waits: the path of a
+        GPU (bf16, SM >= 80) and of the shapes-only meta device. Quantized experts are
+        dequantized whole for it (a fused int4 grouped kernel is left to a GPU backend)."""
+        k = chosen.shape[1]
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        experts = torch.arange(self.num_experts, device=x.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat.index_select(0, order), experts, right=True).int()
+        gate, up = F.grouped_mm(x.index_select(0, token), self._stacked("gate_up_proj", x),
+                                offs=ends).chunk(2, dim=-1)
+        y = F.grouped_mm(self.act(gate) * up, self._stacked("down_proj", x), offs=ends)
+        slot_weight = weights.reshape(-1).index_select(0, order)[:, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token, y.float() * slot_weight).to(x.dtype)
+
+    def _stacked(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """[E, in, out]: every expert's `name` weight, transposed for `grouped_mm`."""
+        if self.quant_config is None:
+            return getattr(self, name).transpose(1, 2)
+        bufs = self._expert_buffers(name, slice(None))               # [E, n, ...] each
+        e, n = bufs["qweight"].shape[:2]
+        whole = dequantize({k: b.flatten(0, 1) for k, b in bufs.items()}, self.quant_config)
+        return whole.view(e, n, -1).to(x.dtype).transpose(1, 2)
 
     # ---- weight-only quantization hooks (models/quantization.py) -------------------------
     def check_stacked(self, config: QuantConfig, world_size: int = 1) -> None:
@@ -105,7 +137,7 @@ class StackedExperts(nn.Module):
         self.quant_config = config
         return 2 * self.num_experts
 
-    def _expert_buffers(self, name: str, e: int) -> dict[str, torch.Tensor]:
+    def _expert_buffers(self, name: str, e: int | slice) -> dict[str, torch.Tensor]:
         return {key[len(name) + 1:]: buf[e] for key, buf in self._buffers.items()
                 if key.startswith(name + "_")}
 
@@ -133,6 +165,9 @@ class StackedExperts(nn.Module):
             if got is not None and tuple(got) != want:
                 raise ValueError(f"{full_name}: checkpoint shape {tuple(got)} != model shape "
                                  f"{want}")
+            loaded.add(full_name)
+            if bufs["qweight"].device.type == "meta":
+                continue                  # a shapes-only model: checked, nothing to read
             per = max(1, LOAD_CHUNK_BYTES // (want[1] * want[2] * dtype.itemsize))
             for first in range(0, e, per):
                 count = min(per, e - first)
@@ -145,7 +180,6 @@ class StackedExperts(nn.Module):
                                           None if amax is None else amax[j])
                     for key, value in parts.items():
                         bufs[key][first + j].copy_(value)
-            loaded.add(full_name)
         return loaded
 
     @torch.no_grad()

@@ -70,16 +70,43 @@ class WorkItem:
 
 
 @dataclass
+class CanvasItem:
+    """One uniform-state request's share of a step (DiffusionGemma): tokens to encode into its
+    cache, then a canvas to denoise against everything encoded (worker/canvas_runner.py)."""
+
+    request_id: str
+    encode_ids: torch.Tensor | None      # [n] tokens whose K/V this step writes (the prompt, or
+                                         # the finished canvas), at positions encode_start..
+    encode_start: int
+    canvas_ids: torch.Tensor | None      # [C] the canvas to denoise (None: encode only)
+    canvas_start: int                    # its first position: everything before is encoded
+    temperature: float                   # the step's T: the logits are divided by it
+    self_conditioning: bool              # feed the previous step's processed logits (the
+                                         # runner keeps them); False at a canvas's first step
+    key_slots: torch.Tensor              # [L] full-attention layers' slot of positions 0..L-1
+    ring: int                            # index of its sliding-layer ring
+    want_logits: bool = False            # also return the raw logits (logprobs)
+
+    @property
+    def num_encode(self) -> int:
+        return 0 if self.encode_ids is None else int(self.encode_ids.numel())
+
+
+@dataclass
 class SchedulerOutput:
     items: list[WorkItem]
     num_waiting: int = 0
     # likelihood scoring: forward-only sequences run in the same forward (cover_vllm/scoring/)
     score_items: list[ScoreItem] = field(default_factory=list)
+    # uniform-state canvases (a DiffusionGemma engine's requests): encoder and decoder work
+    canvas_items: list[CanvasItem] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(item.window_len * len(item.canvases) + item.num_extra for item in self.items) \
-            + sum(item.num_query_tokens for item in self.score_items)
+            + sum(item.num_query_tokens for item in self.score_items) \
+            + sum(item.num_encode + (0 if item.canvas_ids is None else item.canvas_ids.numel())
+                  for item in self.canvas_items)
 
 
-__all__ = ["CanvasInput", "EmbedEdit", "ExtraRows", "SchedulerOutput", "WorkItem"]
+__all__ = ["CanvasInput", "CanvasItem", "EmbedEdit", "ExtraRows", "SchedulerOutput", "WorkItem"]

@@ -49,6 +49,21 @@ class PageSet:
     key_slots: torch.Tensor     # [L] long
 
 
+def abort_from(request_id: str, waiting, running: list, finish: Callable) -> object | None:
+    """Drop request `request_id` from a queue: a waiting one is marked aborted, a running one
+    ended by `finish(req, "abort")` (which frees what it holds). Returns it, or None."""
+    for req in list(waiting):
+        if req.request_id == request_id:
+            waiting.remove(req)
+            req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+            return req
+    for req in running:
+        if req.request_id == request_id:
+            finish(req, "abort")
+            return req
+    return None
+
+
 def split_steps(total: int, num_blocks: int) -> list[int]:
     """Steps per block: total // num_blocks each, the first (total % num_blocks) one more."""
     base, rem = divmod(total, num_blocks)

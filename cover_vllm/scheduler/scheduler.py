@@ -18,29 +18,36 @@ from collections import deque
 import torch
 
 from cover_vllm.config import EngineConfig
+from cover_vllm.scheduler.canvas_queue import CanvasQueue
+from cover_vllm.scheduler.canvas_request import CanvasRequest
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
-from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
+from cover_vllm.scheduler.request import PageSet, Request, RequestStatus, abort_from
 from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: PagePool, logit_shift: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, num_rings: int = 0):
         self.config, self.pool, self.logit_shift = config, pool, logit_shift
         self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # likelihood scoring: admitted after the generation requests, packed beside them
         self.scoring = ScoreQueue(config, pool, prefix_caching)
+        # uniform-state canvases (DiffusionGemma's requests; scheduler/canvas_queue.py)
+        self.canvases = CanvasQueue(config, pool, num_rings)
 
     # ---- admission -------------------------------------------------------------------------
     def pages_needed(self, req: Request) -> int:
         return req.num_canvases * -(-req.canvas_len // self.config.page_size)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request | CanvasRequest) -> None:
+        if isinstance(req, CanvasRequest):
+            self.canvases.add(req)
+            return
         need = self.pages_needed(req)
         if need > self.pool.num_pages:
             raise ValueError(
@@ -97,19 +104,16 @@ class Scheduler:
             self.pool.index(req.pages[0].pages[i], req.prefix_keys[i])
         req.prefix_indexed = max(req.prefix_indexed, done)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        for req in list(self.waiting):
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-                return req
-        for req in self.running:
-            if req.request_id == request_id:
-                self.finish(req, "abort")
-                return req
-        return None
+    def abort_request(self, request_id: str) -> Request | CanvasRequest | None:
+        canvas = self.canvases.abort(request_id)
+        if canvas is not None:
+            return canvas
+        return abort_from(request_id, self.waiting, self.running, self.finish)
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request | CanvasRequest, reason: str) -> None:
+        if isinstance(req, CanvasRequest):
+            self.canvases.finish(req, reason)
+            return
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
@@ -122,15 +126,17 @@ class Scheduler:
         """Admit waiting requests while pages allow (FCFS); the running requests, each due one
         work item this step."""
         self._admit()
-        self.scoring.admit(len(self.running))
+        self.canvases.admit(len(self.running))
+        self.scoring.admit(len(self.running) + len(self.canvases.running))
         return list(self.running)
 
     def pack(self, requests: list[Request], plans: list[StepPlan]) -> SchedulerOutput:
         """One work item per request (from `admit`) and its strategy's plan, and the running
-        scoring requests' items."""
+        scoring and canvas requests' items."""
+        waiting = len(self.waiting) + len(self.scoring.waiting) + len(self.canvases.waiting)
         return SchedulerOutput([self._work_item(r, p) for r, p in zip(requests, plans)],
-                               len(self.waiting) + len(self.scoring.waiting),
-                               score_items=self.scoring.schedule())
+                               waiting, score_items=self.scoring.schedule(),
+                               canvas_items=self.canvases.schedule())
 
     def _window(self, req: Request, refresh: bool, view_start: int) -> tuple[int, int]:
         if refresh:

@@ -1,4 +1,9 @@
-"""Decoding strategies behind one registry: look a name up, build its typed params."""
+"""Decoding strategies behind one registry: look a name up, build its typed params.
+
+`STRATEGIES` are the masked-diffusion decoders (strategies/base.py `Strategy`: commit tokens into
+[MASK] slots); `CANVAS_DECODERS` the uniform-state ones (strategies/canvas.py `CanvasDecoder`:
+a model without [MASK] re-draws whole canvases). `strategy_class` finds either.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +33,17 @@ STRATEGIES = {
     "llada2_edit": ("cover_vllm.strategies.llada2", "LLaDA2Edit"),
     "sdar": ("cover_vllm.strategies.sdar", "SDAR"),
 }
+CANVAS_DECODERS = {
+    "diffusion_gemma": ("cover_vllm.strategies.diffusion_gemma", "DiffusionGemmaDecoder"),
+}
+DECODERS = {**STRATEGIES, **CANVAS_DECODERS}     # every `decoding` name
 
 
-def strategy_class(name: str) -> type[Strategy]:
-    if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"decoding={name!r} is not a known strategy; valid: {sorted(STRATEGIES)}")
-    module, cls = STRATEGIES[name]
+def strategy_class(name: str) -> type:
+    """The Strategy (masked) or CanvasDecoder (uniform-state) class named `name`."""
+    if not isinstance(name, str) or name not in DECODERS:
+        raise ValueError(f"decoding={name!r} is not a known strategy; valid: {sorted(DECODERS)}")
+    module, cls = DECODERS[name]
     return getattr(importlib.import_module(module), cls)
 
 
@@ -82,5 +92,5 @@ def _check_type(what: str, value: Any, hint: Any, strategy: str) -> None:
                      f"{type(value).__name__} {value!r}")
 
 
-__all__ = ["BlockState", "CanvasRows", "Decision", "STRATEGIES", "StepBatch", "Strategy",
+__all__ = ["BlockState", "CANVAS_DECODERS", "CanvasRows", "DECODERS", "Decision", "STRATEGIES", "StepBatch", "Strategy",
            "StrategyParams", "decide_now", "make_params", "strategy_class"]

@@ -1,14 +1,80 @@
-"""KVCache: the per-layer K and V tensors of the paged pool, addressed by slot = page * size + i."""
+"""KVCache: the per-layer K and V tensors of the paged pool, addressed by slot = page * size + i;
+and KVLayout: how a model's K/V are laid out, which sizes the pool (worker/memory.py).
+
+Most models have one K/V shape for every layer, all paged. DiffusionGemma's layers differ (its
+full-attention layers have their own head size and kv heads) and its sliding-window layers only
+ever read the last window - 1 positions before what they encode or denoise, so they keep each
+running sequence in a **ring** of `ring_len` slots (slot = ring start + position mod ring_len)
+instead of pages: ring_len = window - 1 + the longest chunk the encoder writes at once
+(`encode_chunk`: the canvas, or a prompt piece). The pools themselves are the model's
+(`model.allocate_kv`: full layers `num_pages * page_size` slots, sliding ones `num_rings *
+ring_len`).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from cover_vllm.models.base import ModelDims
+from cover_vllm.models.gemma4_config import SLIDING
+
+MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence and call, at least
 
 
 def kv_bytes_per_token(dims: ModelDims, dtype: torch.dtype) -> int:
     return 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One model's K/V geometry (the whole model: every kv head)."""
+
+    paged: tuple[tuple[int, int], ...]     # (kv heads, head_dim) of each layer kept in pages
+    ringed: tuple[tuple[int, int], ...] = ()   # of each layer kept in per-sequence rings
+    ring_len: int = 0                      # slots of one ring (0: no rings)
+    encode_chunk: int = 0                  # longest encoder chunk a ring holds beside the window
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "KVLayout":
+        """From a built model (meta is enough): per-layer shapes and rings where the model has
+        them (`kv_layer_shapes()`, `kinds`, `window`, `canvas_length`), else its dims."""
+        shapes = getattr(model, "kv_layer_shapes", None)
+        if shapes is None:
+            d = model.dims
+            return cls(((d.num_kv_heads, d.head_dim),) * d.num_layers)
+        kinds = model.kinds
+        chunk = max(model.canvas_length, MIN_ENCODE_CHUNK)
+        per_layer = shapes()
+        return cls(tuple(s for s, k in zip(per_layer, kinds) if k != SLIDING),
+                   tuple(s for s, k in zip(per_layer, kinds) if k == SLIDING),
+                   model.window - 1 + chunk, chunk)
+
+    @staticmethod
+    def _bytes(shapes, dtype: torch.dtype) -> int:
+        return 2 * sum(h * d for h, d in shapes) * dtype.itemsize
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one position in the paged layers."""
+        return self._bytes(self.paged, dtype)
+
+    def ring_bytes(self, dtype: torch.dtype) -> int:
+        """K and V of one ring (every ringed layer); 0 without rings."""
+        return self._bytes(self.ringed, dtype) * self.ring_len
+
+    def split(self, budget: int, page_size: int, dtype: torch.dtype, max_seqs: int,
+              seq_tokens: int) -> tuple[int, int]:
+        """(pages, rings) of a `budget`-byte pool: a ring for each sequence that fits with the
+        pages of `seq_tokens` positions (up to `max_seqs`, at least one), the rest in pages (at
+        least one). Without rings: every byte in pages."""
+        page = self.bytes_per_token(dtype) * page_size
+        ring = self.ring_bytes(dtype)
+        if not ring:
+            return max(1, budget // page), 0
+        per_seq = ring + -(-seq_tokens // page_size) * page
+        rings = min(max_seqs, max(1, budget // per_seq))
+        return max(1, (budget - rings * ring) // page), rings
 
 
 class KVCache:

@@ -59,22 +59,29 @@ def rss_bytes(pid: int | str = "self") -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     weight_bytes: int          # parameters of every rank (sharded once, replicated x ranks)
-    kv_bytes: int              # the whole KV pool (all ranks): num_pages x page bytes
+    kv_bytes: int              # the whole KV pool (all ranks): num_pages x page bytes (+ rings)
     num_pages: int
     page_size: int             # tokens per page
     canvas_tokens: int         # the "default length" canvases are counted in
     capacity_bytes: int        # memory_utilization x host (CPU) or device memory
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int    # of the paged layers
+    num_rings: int = 0         # per-sequence sliding-layer rings (worker/kv_cache.py KVLayout)
+    ring_len: int = 0          # slots of one ring
+    budget_bytes: int = 0      # what pages and rings were split from (every rank splits it
+                               # the same way: the engine hands it on as kv_cache_memory_bytes)
 
     @property
     def canvases(self) -> int:
         pages_per_canvas = -(-self.canvas_tokens // self.page_size)
-        return self.num_pages // pages_per_canvas
+        fits = self.num_pages // pages_per_canvas
+        return min(fits, self.num_rings) if self.ring_len else fits
 
     def startup_line(self) -> str:
+        rings = (f" + {self.num_rings} sliding-window rings of {self.ring_len} slots"
+                 if self.ring_len else "")
         return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV cache "
                 f"{self.kv_bytes / GiB:.2f} GiB = {self.num_pages} pages of {self.page_size} "
-                f"tokens, fits {self.canvases} canvases of {self.canvas_tokens} tokens "
+                f"tokens{rings}, fits {self.canvases} canvases of {self.canvas_tokens} tokens "
                 f"(budget {self.capacity_bytes / GiB:.2f} GiB)")
 
 
@@ -116,18 +123,20 @@ def _capacity(config: EngineConfig) -> tuple[int, bool]:
 
 def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
     """Size the KV pool for `model` (the unsharded meta model in its final dtype)."""
-    from cover_vllm.worker.kv_cache import kv_bytes_per_token
+    from cover_vllm.worker.kv_cache import KVLayout
 
     n = config.tensor_parallel_size
     dtype = next(model.parameters()).dtype
-    per_token = kv_bytes_per_token(model.dims, dtype)
+    layout = KVLayout.of(model)
+    per_token = layout.bytes_per_token(dtype)
+    ring_bytes = layout.ring_bytes(dtype)
     page_bytes = per_token * config.page_size
     per_rank, all_ranks = weight_bytes(model, n)
     capacity, shared = _capacity(config)
     weights = all_ranks if shared else per_rank
     share = 1 if shared else n                   # a device holds 1/n of the pool
     canvas = min(spec.max_model_len, DEFAULT_CANVAS_TOKENS)
-    canvas_bytes = -(-canvas // config.page_size) * page_bytes
+    canvas_bytes = -(-canvas // config.page_size) * page_bytes + ring_bytes
     left = capacity - weights
     where = ("host memory" if shared else "device memory")
     if weights + canvas_bytes // share > capacity:
@@ -147,7 +156,11 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
                 f"({weights / GiB:.2f} GiB) exceed {config.memory_option}"
                 f" of the {where} ({capacity / GiB:.2f} GiB); at most {left * share} bytes fit")
     else:
-        budget = min(config.kv_budget_bytes(per_token, spec.max_model_len), left * share)
-    num_pages = max(1, budget // page_bytes)
-    return MemoryPlan(weights, num_pages * page_bytes, num_pages, config.page_size, canvas,
-                      capacity, per_token)
+        budget = min(config.kv_budget_bytes(per_token, spec.max_model_len, ring_bytes),
+                     left * share)
+    num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
+                                        canvas)
+    kv_bytes = num_pages * page_bytes + num_rings * ring_bytes
+    return MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
+                      per_token, num_rings, layout.ring_len,
+                      budget if layout.ring_len else kv_bytes)

@@ -18,6 +18,7 @@ from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
+from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
 from cover_vllm.worker.scoring import ScoreLayout, lay_out_scores, score_forward
@@ -56,8 +57,10 @@ class _Stats:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, cache: KVCache):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, cache: KVCache,
+                 canvas: CanvasRunner | None = None):
         self.model, self.backend, self.cache = model, backend, cache
+        self.canvas = canvas        # uniform-state canvases (worker/canvas_runner.py)
         self.shift = model.spec.logit_shift
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
@@ -137,6 +140,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Lay the batch out on the host, move it to the model's device once, run the forward
         there, and return the logits (and statistics) the strategies read, on that device."""
+        if out.canvas_items:            # a uniform-state model's step: its own pass
+            return self.canvas.execute(out.canvas_items)
         start = time.perf_counter()
         device = self.device
         copies, moved = self.transfer.copies, self.transfer.bytes

@@ -16,8 +16,9 @@ from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
-from cover_vllm.worker.kv_cache import KVCache, kv_bytes_per_token
-from cover_vllm.worker.memory import peak_rss_bytes
+from cover_vllm.worker.canvas_runner import CanvasRunner
+from cover_vllm.worker.kv_cache import KVCache, KVLayout
+from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
@@ -48,7 +49,8 @@ class Worker:
         device = rank_device(config.device, tp.rank if tp is not None else 0)
         dtype = resolve_dtype(config.dtype, spec, config.device)
         model = build_model(spec, dtype, "meta")                # no storage yet
-        per_token = kv_bytes_per_token(model.dims, dtype)       # whole model, all kv heads
+        layout = KVLayout.of(model)                             # whole model, all kv heads
+        per_token = layout.bytes_per_token(dtype)
         source = weight_source(resolved, model, config.load_format, config.seed)
         slices = None
         if tp is not None:
@@ -63,15 +65,19 @@ class Worker:
         if torch.device(device).type == "cpu":                  # the kernel's layout
             keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
-        budget = config.kv_budget_bytes(per_token, spec.max_model_len)
-        num_pages = max(1, budget // (per_token * config.page_size))
-        self.tp = tp
-        self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device)
-        self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache)
-
-    @property
-    def num_pages(self) -> int:
-        return self.cache.num_pages
+        budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
+        num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
+                                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
+        self.tp, self.num_pages = tp, num_pages
+        if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
+            self.cache = model.allocate_kv(num_pages * config.page_size,
+                                           num_rings * layout.ring_len)
+            canvas = CanvasRunner(self.model, self.cache, layout)
+        else:
+            self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device)
+            canvas = None
+        self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
+                                  canvas)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = self.runner.execute_model(out)

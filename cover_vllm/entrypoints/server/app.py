@@ -178,8 +178,9 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         from cover_vllm.entrypoints.server.dp_router import DPRouter
 
         resolved = resolve_engine_model(config)      # a hub id is downloaded once, here
-        max_model_len = ModelSpec.from_config(resolved.config).with_max_model_len(
-            config.max_model_len).max_model_len
+        spec = ModelSpec.from_config(resolved.config).with_max_model_len(config.max_model_len)
+        max_model_len = spec.max_model_len
+        default_decoding = config.decoding or spec.default_decoding
         default_max_tokens = resolved.max_new_tokens()
         tokenizer = _server_tokenizer(resolved.tokenizer_dir)   # before the replicas: fail early
         router = DPRouter(local_config(config, resolved), data_parallel_size,
@@ -192,6 +193,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         max_model_len, tokenizer = engine.spec.max_model_len, _server_tokenizer(
             engine.tokenizer_dir)
         default_max_tokens = engine.default_max_tokens
+        default_decoding = engine.config.decoding           # resolved by the engine
         loop = EngineLoop(engine, stats)
 
     if tokenizer is None:
@@ -211,7 +213,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     app.state.ctx = serving.ServingContext(
         loop=loop, model_name=name, tokenizer=tokenizer, max_model_len=max_model_len,
         default_max_tokens=default_max_tokens,
-        default_decoding=config.decoding, created=int(time.time()),
+        default_decoding=default_decoding, created=int(time.time()),
         seeds=random.Random(config.seed))
     app.state.metrics, app.state.api_key = stats, api_key
     app.state.max_body_bytes, app.state.engine_loop = max_body_bytes, loop

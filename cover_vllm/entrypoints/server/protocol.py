@@ -21,7 +21,7 @@ from cover_vllm.entrypoints.server.structured import (ResponseFormat, Structured
                                                       check_one_constraint, constraint,
                                                       constraint_field)
 from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_n
-from cover_vllm.strategies import STRATEGIES
+from cover_vllm.strategies import DECODERS
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
@@ -110,8 +110,8 @@ class SamplingFields(_Strict):
     @field_validator("decoding")
     @classmethod
     def _decoding(cls, value):
-        if value is not None and value not in STRATEGIES:
-            raise ValueError(f"unknown decoding strategy {value!r}; valid: {sorted(STRATEGIES)}")
+        if value is not None and value not in DECODERS:
+            raise ValueError(f"unknown decoding strategy {value!r}; valid: {sorted(DECODERS)}")
         return value
 
     @field_validator("structured_outputs")
