@@ -14,7 +14,8 @@ knows no model family and tests no module type. A module without a plan is repli
   concatenated, so it holds its own q, k and v heads in the same layout at 1/N the size.
 * `row` (input columns sliced, partial outputs summed by an all-reduce in a forward hook):
   attention output and MLP down projections. A row-parallel bias is kept on rank 0 only (zeroed
-  elsewhere) so the sum adds it once.
+  elsewhere) so the sum adds it once. Such a Linear gets `reduce_input_amax` (a max
+  all-reduce): a W8A8 kernel quantizes its input slice with the whole row's scale.
 * `row_unreduced`: row-parallel without the all-reduce; a parent declaring `reduce_output`
   sums once at its own output instead (a sparse MoE block: the router is replicated, so every
   rank routes identically, and its experts' partial outputs are reduced once, not per expert).
@@ -201,6 +202,9 @@ class TensorParallel:
     def _all_reduce_hook(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(output)
 
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_max(t)
+
     @torch.no_grad()
     def shard(self, model: nn.Module) -> None:
         """Slice `model`'s weights in place to this rank's shard and install the all-reduces;
@@ -218,6 +222,7 @@ class TensorParallel:
                 linear.out_features = linear.weight.shape[0]
                 continue
             linear.in_features = linear.weight.shape[1]
+            linear.reduce_input_amax = self._all_reduce_max     # W8A8: TP=1's row scales
             if linear.bias is not None and rank != 0:
                 linear.bias.zero_()                   # added once, by rank 0, before the sum
             if split.reduce:

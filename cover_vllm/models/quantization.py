@@ -41,10 +41,11 @@ from cover_vllm.models.quant_format import (QuantConfig, is_quantized, linear_bu
                                             parse_quantization, quantize_rows,
                                             reference_linear)
 from cover_vllm.models.quant_kernels import QuantizedGroup
+from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
 from cover_vllm.models.safetensors_io import Slice
 
 __all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
-           "check_quantization", "quantized_tensors", "reference_linear"]
+           "check_quantization", "quantized_tensors", "kernel_extra_bytes", "reference_linear"]
 
 LOAD_CHUNK_BYTES = 16 << 20     # rows of a checkpoint tensor staged at once; quantizing them
                                 # takes ~4 x this in fp32 temporaries
@@ -65,6 +66,30 @@ def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, linear in quantized_linears(model):
         for buf in linear_buffers(linear).values():
             yield f"{name}.weight", buf
+
+
+def kernel_extra_bytes(model: nn.Module, device: str = "cpu",
+                       slices: dict[str, Slice] | None = None, world_size: int = 1) -> int:
+    """Bytes one rank's kernels keep beyond the buffers `quantized_tensors` counts: a W8A8
+    group's kernel replaces its int8 codes and model-dtype scales by its own copy (oneDNN's
+    padded blocks and compensation on CPU, w8a8_kernels.resident_bytes) and fp32 scales.
+    `slices` (tensor_parallel.param_slices) and `world_size` give a rank's shard shapes."""
+    groups = [g for g in projection_groups(model)
+              if g.quant is not None and g.quant.config.method == "w8a8"]
+    if not groups:
+        return 0
+    names = {id(linear): prefix for prefix, linear in quantized_linears(model)}
+    layout = onednn_layout() if str(device).startswith("cpu") else None
+    extra = 0
+    for group in groups:
+        first = group.linears[0]
+        n, k = sum(lin.out_features for lin in group.linears), first.in_features
+        sl = (slices or {}).get(f"{names[id(first)]}.weight")
+        if sl is not None:
+            n, k = (n // world_size, k) if sl.dim == 0 else (n, k // world_size)
+        scale_bytes = linear_buffers(first)["weight_scale"].element_size()
+        extra += resident_bytes(n, k, device, layout) - n * (k + scale_bytes)
+    return extra
 
 
 def _head_groups(model: nn.Module) -> set[int]:
@@ -188,16 +213,26 @@ def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
             bufs[key][at:at + rows.size].copy_(value)
 
 
-def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = None) -> None:
+def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = None,
+                   pack: bool = False) -> None:
     """`loader.load_into` for a model with quantized Linears: each quantized weight is read a
     chunk of rows at a time (its TP slice only) and quantized into its buffers; every other
-    parameter loads as usual."""
+    parameter loads as usual, after them. `pack`: hand each group to its kernel as soon as its
+    Linears are loaded (`QuantizedGroup.pack`), so a kernel that copies the codes (W8A8's
+    oneDNN blocks) adds one group's copy at a time, while the embedding is not yet loaded,
+    instead of the largest group's on top of every weight."""
     slices = slices or {}
+    names = {id(linear): prefix for prefix, linear in quantized_linears(model)}
     claimed = set()
-    for prefix, linear in quantized_linears(model):
-        name = f"{prefix}.weight"
-        _load_linear(linear, linear.quant_config, source, name, slices.get(name))
-        claimed.add(name)
+    for group in projection_groups(model):
+        if group.quant is None:
+            continue
+        for linear in group.linears:
+            name = f"{names[id(linear)]}.weight"
+            _load_linear(linear, linear.quant_config, source, name, slices.get(name))
+            claimed.add(name)
+        if pack:
+            group.pack()
     load_into(model, _Without(source, claimed) if claimed else source, slices)
 
 
@@ -218,7 +253,7 @@ def load_quantized_model(model_dir, quantization: QuantConfig | str | None,
     source = weight_source(resolved, model, load_format, seed)
     quantize_model(model, quantization)
     materialize(model, "cpu")
-    load_quantized(model, source)
+    load_quantized(model, source, pack=pack)
     if pack:
         pack_projections(model)
     return model.eval().requires_grad_(False)

@@ -78,17 +78,21 @@ class MemoryPlan:
                 f"(budget {self.capacity_bytes / GiB:.2f} GiB)")
 
 
-def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+def weight_bytes(model: torch.nn.Module, world_size: int,
+                 device: str = "cpu") -> tuple[int, int]:
     """(bytes of one rank, bytes of all ranks) of a meta model split over `world_size` ranks
-    (a quantized Linear's buffers count as its weight: models/quantization.py)."""
+    on `device` (a quantized Linear's buffers count as its weight, and a W8A8 kernel's own
+    copy of them as what it keeps: models/quantization.py `kernel_extra_bytes`)."""
     from cover_vllm.distributed.tensor_parallel import param_slices
-    from cover_vllm.models.quantization import quantized_tensors
+    from cover_vllm.models.quantization import kernel_extra_bytes, quantized_tensors
 
     named = [*model.named_parameters(), *quantized_tensors(model)]
     if world_size == 1:
         total = sum(p.numel() * p.element_size() for _, p in named)
+        total += kernel_extra_bytes(model, device)
         return total, total
     sliced = param_slices(model, 0, world_size)
+    extra = kernel_extra_bytes(model, device, sliced, world_size)
     sharded = replicated = 0
     for name, p in named:
         nbytes = p.numel() * p.element_size()
@@ -96,7 +100,8 @@ def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
             sharded += nbytes
         else:
             replicated += nbytes
-    return sharded // world_size + replicated, sharded + replicated * world_size
+    return (sharded // world_size + replicated + extra,
+            sharded + replicated * world_size + extra * world_size)
 
 
 def _capacity(config: EngineConfig) -> tuple[int, bool]:
@@ -115,7 +120,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     dtype = next(model.parameters()).dtype
     per_token = kv_bytes_per_token(model.dims, dtype)
     page_bytes = per_token * config.page_size
-    per_rank, all_ranks = weight_bytes(model, n)
+    per_rank, all_ranks = weight_bytes(model, n, str(config.device))
     capacity, shared = _capacity(config)
     weights = all_ranks if shared else per_rank
     share = 1 if shared else n                   # a device holds 1/n of the pool

@@ -1,0 +1,158 @@
+"""Where W8A8 loses accuracy: per projection, the inputs' outliers and the output error of
+per-row int8 activations, beside int8 weight-only; then the logits with each kind of
+projection kept weight-only.
+
+    .venv/bin/python scripts/w8a8_outliers.py [--model cover-tiny|golden:llada|...]
+
+Inputs: cover-tiny's 120 task prompts with masked answers (40 per task, the prompts of
+tests/test_quantization.py `test_cover_tiny_logits_int8_against_fp32`), or a golden model's
+forward inputs (../shared/golden/<family>/forward.safetensors). Every projection's input is
+recorded from the fp32 model (FusedLinears calls), and for each projection:
+
+* row crest: max|x_row| / rms(x_row) (the int8 step is max/127: a crest of c leaves ~127/c
+  levels for a typical value), median and max over rows;
+* channel outliers: the largest channel's max |x| over the median channel's;
+* relative output error ||y - y_fp32|| / ||y_fp32|| of int8 weights alone (weight-only) and of
+  int8 weights x per-row int8 activations (W8A8), on the same inputs.
+
+Then the logits against fp32 (max / mean |d|, argmax agreement on the real positions) for
+int8, w8a8, and w8a8 with one kind of projection (qkv, out, gate_up, down, head) kept
+weight-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from cover_vllm.models.layers import FusedLinears, projection_groups
+from cover_vllm.models.loader import load_model
+from cover_vllm.models.quant_format import QuantConfig, quantize_rows
+from cover_vllm.models.quantization import load_quantized_model
+from cover_vllm.models.w8a8_kernels import reference
+
+GOLDEN = "/work/shared/golden"
+
+
+def inputs(model: str):
+    """(model path, dense forward kwargs, [B, L] bool of the real positions)."""
+    if model.startswith("golden:"):
+        family = model.split(":", 1)[1]
+        golden = load_file(f"{GOLDEN}/{family}/forward.safetensors")
+        mask = golden["attention_mask"]
+        return f"{GOLDEN}/{family}/model", {"input_ids": golden["input_ids"],
+                                             "attention_mask": mask}, mask.bool()
+    from cover_vllm.models.builtin import resolve_model_dir
+    from cover_vllm.tasks import chat_prompt_ids, get_task
+    from cover_vllm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_dir(model))
+    rows = [chat_prompt_ids(tok, ex.prompt) + [2] * task.max_tokens
+            for task in map(get_task, ("sudoku4", "arith", "word")) for ex in task.eval_split(40)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [2] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return model, {"input_ids": ids, "attention_mask": mask}, mask.bool()
+
+
+def roles(model: torch.nn.Module) -> dict[int, str]:
+    """id(FusedLinears) -> the attribute its owner keeps it under (qkv, out, gate_up, ...)."""
+    out = {}
+    for module in model.modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, FusedLinears):
+                out[id(value)] = "head" if attr == "head" else attr
+    return out
+
+
+def record(model: torch.nn.Module, kwargs: dict) -> dict[int, list[torch.Tensor]]:
+    seen: dict[int, list[torch.Tensor]] = defaultdict(list)
+    real = FusedLinears.__call__
+
+    def keep(group, x) -> None:
+        seen[id(group)].append(x.detach().reshape(-1, x.shape[-1]).clone())
+
+    def spy(self, x):
+        keep(self, x)
+        return real(self, x)
+    hooks = []                                   # a lone Linear is called as a module
+    for group in projection_groups(model):
+        if len(group.linears) == 1:
+            hooks.append(group.linears[0].register_forward_pre_hook(
+                lambda mod, args, g=group: keep(g, args[0])))
+    FusedLinears.__call__ = spy
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        FusedLinears.__call__ = real
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def layer_table(model: torch.nn.Module, seen: dict, role: dict[int, str]) -> None:
+    print("| # | projection | rows | crest median / max | channel outlier | weight-only err | "
+          "W8A8 err |")
+    print("|---|---|---|---|---|---|---|")
+    for i, group in enumerate(projection_groups(model)):
+        if id(group) not in seen:
+            continue
+        x = torch.cat(seen[id(group)])
+        x = x[x.abs().amax(-1) > 0]                       # padded / unused rows
+        w = torch.cat([lin.weight for lin in group.linears]).float()
+        y = F.linear(x, w)
+        t = quantize_rows(w, QuantConfig("int8"), torch.float32)
+        wo = F.linear(x, t["qweight"].float() * t["weight_scale"][:, None])
+        a8 = reference(x, t["qweight"], t["weight_scale"])
+        crest = x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()
+        ch = x.abs().amax(0)
+        err = lambda z: float((z - y).norm() / y.norm())
+        print(f"| {i} | {role.get(id(group), '?')} | {x.shape[0]} | {crest.median():.1f} / "
+              f"{crest.max():.1f} | {ch.max() / ch.median():.1f} | {err(wo):.2e} | "
+              f"{err(a8):.2e} |")
+
+
+def keep_weight_only(model: torch.nn.Module, role: dict[int, str], kind: str) -> None:
+    """Run every `kind` group of a w8a8 model (unpacked) as int8 weight-only."""
+    int8 = QuantConfig("int8")
+    for group in projection_groups(model):
+        if role.get(id(group)) == kind and group.quant is not None:
+            group.quant.config = int8
+            for lin in group.linears:
+                lin.quant_config = int8
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, real: torch.Tensor) -> None:
+    diff = (got - want).abs()[real]
+    agree = (got.argmax(-1) == want.argmax(-1))[real].float().mean()
+    print(f"| {name} | {diff.max():.3f} | {diff.mean():.4f} | {agree:.2%} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="cover-tiny")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    path, kwargs, real = inputs(args.model)
+    fp32 = load_model(path).eval()
+    role = roles(fp32)
+    layer_table(fp32, record(fp32, kwargs), role)
+    with torch.no_grad():
+        want = fp32(**kwargs)
+        print("\n| logits vs fp32 | max abs d | mean abs d | argmax agreement |")
+        print("|---|---|---|---|")
+        compare("int8 weight-only", load_quantized_model(path, "int8")(**kwargs), want, real)
+        compare("w8a8", load_quantized_model(path, "w8a8")(**kwargs), want, real)
+        for kind in sorted(set(role.values())):
+            model = load_quantized_model(path, "w8a8", pack=False)
+            keep_weight_only(model, roles(model), kind)
+            compare(f"w8a8, {kind} weight-only", model(**kwargs), want, real)
+
+
+if __name__ == "__main__":
+    main()
