@@ -96,13 +96,16 @@ class OnednnKernel(_Kernel):
         self.w_zero = torch.zeros(1, dtype=torch.int64)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)          # its own blocked copy
 
+    def matmul_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """u8 codes [T, k] (int8 codes + 128) -> fp32 [T, n]: the int32 sums x w_scale."""
+        return torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, ZERO_POINT, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+            torch.float32, "none", [], "")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         codes, x_scale = self._quantize(x.reshape(-1, self.k), ZERO_POINT)   # u8 [T, k]
-        acc = torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, ZERO_POINT, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
-            torch.float32, "none", [], "")                               # [T, n] fp32
-        return self._finish(acc, x_scale, x, shape)
+        return self._finish(self.matmul_codes(codes), x_scale, x, shape)
 
     def nbytes(self) -> int:
         return super().nbytes() + torch.ops.mkldnn._nbytes(self.packed) + 8
