@@ -5,6 +5,8 @@ packed blocks exactly, golden and cover-tiny logits against fp32, and the engine
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,8 +22,8 @@ from cover_vllm.models.quant_format import (QuantConfig, parse_quantization,
 from cover_vllm.models.quantization import load_quantized_model, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.w8a8_kernels import (IntMMKernel, OnednnKernel, ReferenceKernel,
-                                            make_w8a8_kernel, onednn_layout, onednn_problem,
-                                            reference)
+                                            RowParallel, make_w8a8_kernel, onednn_layout,
+                                            onednn_problem, reference)
 from cover_vllm.worker.memory import weight_bytes
 from golden_cases import GOLDEN
 
@@ -127,18 +129,64 @@ def test_w8a8_against_fp32_within_the_measured_error():
 
 
 def test_a_row_parallel_rank_uses_the_whole_rows_scale():
-    """Two ranks each holding half the input columns, with the max all-reduce: their codes
-    are TP=1's, so their partial outputs sum to TP=1's output up to fp32's rounding."""
+    """Two ranks each holding half the input columns, with the max all-reduce only (a parent
+    sums the outputs, as MoE experts): their codes are TP=1's, so their partial outputs sum
+    to TP=1's output up to fp32's rounding."""
     _, q, scale, gen = _weights(96, 256, seed=4)
     x = torch.randn(6, 256, generator=gen) * torch.linspace(0.1, 3, 256)    # halves differ
     full = IntMMKernel(q, scale, None)(x)
     amax = x.abs().amax(-1, keepdim=True)
-    halves = [IntMMKernel(q[:, s], scale, None, lambda a: torch.maximum(a, amax))(x[:, s])
+    row = RowParallel(lambda a: torch.maximum(a, amax))
+    halves = [IntMMKernel(q[:, s], scale, None, row)(x[:, s])
               for s in (slice(0, 128), slice(128, 256))]
     assert (halves[0] + halves[1] - full).abs().max() <= 1e-6 * full.abs().max()
     local = [IntMMKernel(q[:, s], scale, None)(x[:, s]) for s in (slice(0, 128),
                                                                   slice(128, 256))]
     assert not torch.equal(local[0] + local[1], halves[0] + halves[1])   # without: not TP=1
+
+
+class _TwoRanks:
+    """One all-reduce (`op`: torch.add or torch.maximum) between two ranks run as two threads
+    of this process: each thread's call blocks until the other's arrives."""
+
+    def __init__(self, op):
+        self.op, self.parts = op, []
+        self.lock, self.barrier = threading.Lock(), threading.Barrier(2)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.parts.append(t)
+        self.barrier.wait()
+        out = self.op(*self.parts)
+        if self.barrier.wait() == 0:
+            self.parts = []
+        self.barrier.wait()
+        return t.copy_(out)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_parallel_ranks_sum_integer_sums_to_tp1s_bits(name, dtype):
+    """With the sum all-reduce the ranks add their int32 sums before the scales: the output
+    is TP=1's bit for bit, on every rank (K = 4096: 2048 columns a rank)."""
+    _, q, scale, gen = _weights(96, 4096, seed=5)
+    x = (torch.randn(6, 4096, generator=gen) * torch.linspace(0.1, 3, 4096)).to(dtype)
+    full = _kernel(name)(q, scale, None)(x)
+    row = RowParallel(_TwoRanks(torch.maximum), _TwoRanks(torch.add))
+    ranks = [_kernel(name)(q[:, s].contiguous(), scale, None, row) for s in
+             (slice(0, 2048), slice(2048, 4096))]
+    assert all(k.reduces_output for k in ranks)
+    outs = [None, None]
+
+    def run(i: int, part: torch.Tensor) -> None:
+        outs[i] = ranks[i](part)
+    threads = [threading.Thread(target=run, args=(i, p))
+               for i, p in enumerate((x[:, :2048], x[:, 2048:]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(outs[0], full) and torch.equal(outs[1], full)
 
 
 def test_unusable_onednn_falls_back_with_a_warning(monkeypatch):

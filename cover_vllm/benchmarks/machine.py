@@ -36,7 +36,8 @@ def measure_int8_gops(size: int = PEAK_GEMM_SIZE, seconds: float = 0.5) -> float
     q = torch.randint(-127, 128, (size, size), dtype=torch.int8)
     codes = torch.randint(1, 256, (size, size), dtype=torch.uint8)
     kernel = OnednnKernel(q, torch.ones(size), None)
-    return 2 * size ** 3 / _best_seconds(lambda: kernel.matmul_codes(codes), seconds) / 1e9
+    return 2 * size ** 3 / _best_seconds(lambda: kernel.matmul_codes(codes, kernel.w_scale),
+                                         seconds) / 1e9
 
 
 def _best_seconds(fn, seconds: float) -> float:

@@ -15,7 +15,9 @@ knows no model family and tests no module type. A module without a plan is repli
 * `row` (input columns sliced, partial outputs summed by an all-reduce in a forward hook):
   attention output and MLP down projections. A row-parallel bias is kept on rank 0 only (zeroed
   elsewhere) so the sum adds it once. Such a Linear gets `reduce_input_amax` (a max
-  all-reduce): a W8A8 kernel quantizes its input slice with the whole row's scale.
+  all-reduce) and `reduce_output` (the sum): a W8A8 kernel quantizes its input slice with the
+  whole row's scale and sums the ranks' integer sums itself (then `output_reduced` tells the
+  hook to skip): models/w8a8_kernels.py.
 * `row_unreduced`: row-parallel without the all-reduce; a parent declaring `reduce_output`
   sums once at its own output instead (a sparse MoE block: the router is replicated, so every
   rank routes identically, and its experts' partial outputs are reduced once, not per expert).
@@ -200,7 +202,12 @@ class TensorParallel:
         self.rank, self.world_size, self.comm = rank, world_size, comm
 
     def _all_reduce_hook(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if getattr(module, "output_reduced", False):      # its kernel summed the ranks' exact
+            return output                                 # integer sums (W8A8)
         return self.comm.all_reduce(output)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(t)
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_max(t)
@@ -226,6 +233,7 @@ class TensorParallel:
             if linear.bias is not None and rank != 0:
                 linear.bias.zero_()                   # added once, by rank 0, before the sum
             if split.reduce:
+                linear.reduce_output = self._all_reduce         # W8A8: sums its int32 sums
                 linear.register_forward_hook(self._all_reduce_hook)
         for module in plan.reduce_at:
             module.register_forward_hook(self._all_reduce_hook)

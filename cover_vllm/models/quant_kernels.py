@@ -48,7 +48,7 @@ from torch import nn
 
 from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buffers,
                                             reference_linear, unpack_nibbles)
-from cover_vllm.models.w8a8_kernels import make_w8a8_kernel
+from cover_vllm.models.w8a8_kernels import RowParallel, make_w8a8_kernel
 
 PACK_ROWS = 1024         # rows converted at once by the in-place CPU int4 pack (a multiple of 64)
 INT4_ROW_MULTIPLE = 16   # torch's int4 kernels need N % 16 == 0 on CPU (N % 8 on CUDA)
@@ -118,8 +118,12 @@ class QuantizedGroup:
             tensors = {n: torch.cat([lin._buffers[n] for lin in self.linears]) for n in names}
             biases = [lin.bias for lin in self.linears]
             bias = None if any(b is None for b in biases) else torch.cat(biases)
-        reduce = getattr(self.linears[0], "reduce_input_amax", None)    # row-parallel (TP)
-        self.kernel = make_kernel(tensors, self.config, bias, reduce)
+        lin = self.linears[0]
+        amax = getattr(lin, "reduce_input_amax", None)            # row-parallel (TP)
+        row = None if amax is None else RowParallel(amax, getattr(lin, "reduce_output", None))
+        self.kernel = make_kernel(tensors, self.config, bias, row)
+        if getattr(self.kernel, "reduces_output", False):
+            lin.output_reduced = True                    # TP's hook: already summed (exactly)
         self.fused = {}
         for lin in self.linears:
             for name, buf in linear_buffers(lin).items():
@@ -135,13 +139,13 @@ class QuantizedGroup:
 
 
 def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None,
-                amax_reduce=None):
+                row: RowParallel | None = None):
     """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device and the
-    model dtype (the scales'), as measured (module doc; W8A8: w8a8_kernels.py, `amax_reduce`
-    the row-parallel input's max all-reduce)."""
+    model dtype (the scales'), as measured (module doc; W8A8: w8a8_kernels.py, `row` the
+    collectives of a row-parallel projection)."""
     device, dtype = t["qweight"].device.type, t["weight_scale"].dtype
     if config.method == "w8a8":
-        return make_w8a8_kernel(t, bias, amax_reduce)
+        return make_w8a8_kernel(t, bias, row)
     if device == "cpu":
         if config.method == "int4" and dtype in (torch.bfloat16, torch.float16):
             return Int4CpuKernel(t, config.group_size, bias)

@@ -31,13 +31,18 @@ with AVX-512 VNNI + BF16, no AMX, one thread, LLaDA-8B's q|k|v [12288, 4096], 20
 * `ReferenceKernel`: the fp32 formula through F.linear; correct anywhere, fast nowhere.
 
 Tensor parallelism: a row-parallel projection (attention output, MLP down) sees only its
-rank's input columns; `amax_reduce` (TensorParallel.shard sets it: a max all-reduce) gives
-each row TP=1's max |x|, so every rank quantizes its columns exactly as TP=1 would.
+rank's input columns; `RowParallel.amax` (a max all-reduce) gives each row TP=1's max |x|, so
+every rank quantizes its columns exactly as TP=1 would, and `RowParallel.total` sums the
+ranks' integer sums before the scales, so the output is TP=1's bit for bit (`_Kernel`).
+Rounding makes this necessary: a sum of scaled fp32 partial outputs differs from TP=1's in
+the last bits, and the next projection's activation codes amplify that (a value next to a
+rounding boundary moves a whole code), enough to change tokens of a random-weight model.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -47,7 +52,17 @@ from cover_vllm.models.quant_format import quantize_activations
 
 ZERO_POINT = 128                 # u8 activation codes = int8 codes + 128
 CUDA_MIN_ROWS = 17               # torch._int_mm on CUDA needs more than 16 rows
-AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+Collective = Callable[[torch.Tensor], torch.Tensor]       # in place over the TP ranks
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """The collectives of a row-parallel projection (this rank holds a slice of its input
+    columns; TensorParallel.shard provides them as the Linear's `reduce_input_amax` and, when
+    the Linear's output is all-reduced, `reduce_output`)."""
+
+    amax: Collective                 # max over ranks: each row's whole max |x|
+    total: Collective | None = None  # sum over ranks of the output; None: a parent sums
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
@@ -61,23 +76,45 @@ def reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
 
 
 class _Kernel:
-    """Shared by the kernels: flatten the input, quantize it, finish the output."""
+    """Shared by the kernels: flatten the input, quantize it, run the integer product, scale.
+
+    Row-parallel with `RowParallel.total` and no bias: the ranks' integer sums are summed as
+    int32 (exact, in any order) before the scales, so the output is TP=1's bit for bit (while
+    every rank's partial sum fits fp32's 24 bits: always below 1,040 input columns a rank,
+    and in practice far beyond); `reduces_output` then tells the Linear's TP hook to skip
+    its own all-reduce. A row-parallel bias (kept by rank 0 only) keeps the hook's sum of
+    scaled outputs."""
+
+    zero_point = 0
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 amax_reduce: AmaxReduce | None):
+                 row: RowParallel | None = None):
         self.n, self.k = q.shape
         self.w_scale = w_scale.float().contiguous()                      # [n] fp32
-        self.bias, self.amax_reduce = bias, amax_reduce
+        self.bias, self.row = bias, row
+        self.reduces_output = row is not None and row.total is not None and bias is None
 
-    def _quantize(self, x: torch.Tensor, zero_point: int = 0):
+    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
+        """The integer sums [T, n] (exact int32, or their fp32 values)."""
+        raise NotImplementedError
+
+    def _scaled(self, codes: torch.Tensor) -> torch.Tensor:
+        """The sums times w_scale, fp32 [T, n] (a kernel may fuse the scale)."""
+        return self._sums(codes).float().mul_(self.w_scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.k)
         amax = None
-        if self.amax_reduce is not None:
-            amax = self.amax_reduce(x.abs().amax(dim=-1, keepdim=True).float())
-        return quantize_activations(x, amax, zero_point)
-
-    def _finish(self, acc_scaled: torch.Tensor, x_scale: torch.Tensor, x: torch.Tensor,
-                shape: torch.Size) -> torch.Tensor:
-        out = acc_scaled.mul_(x_scale)
+        if self.row is not None:
+            amax = self.row.amax(x.abs().amax(dim=-1, keepdim=True).float())
+        codes, x_scale = quantize_activations(x, amax, self.zero_point)
+        if self.reduces_output:
+            sums = self.row.total(self._sums(codes).to(torch.int32))
+            out = sums.float().mul_(self.w_scale)
+        else:
+            out = self._scaled(codes)
+        out = out.mul_(x_scale)
         if self.bias is not None:
             out = out.add_(self.bias)
         return out.to(x.dtype).view(*shape[:-1], self.n)
@@ -90,62 +127,60 @@ class _Kernel:
 class OnednnKernel(_Kernel):
     """oneDNN's u8 x s8 GEMM over the codes prepacked once (module doc)."""
 
+    zero_point = ZERO_POINT
+
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 amax_reduce: AmaxReduce | None = None):
-        super().__init__(q, w_scale, bias, amax_reduce)
+                 row: RowParallel | None = None):
+        super().__init__(q, w_scale, bias, row)
         self.w_zero = torch.zeros(1, dtype=torch.int64)
+        self.unit = torch.ones(1)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)          # its own blocked copy
 
-    def matmul_codes(self, codes: torch.Tensor) -> torch.Tensor:
+    def matmul_codes(self, codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
         """u8 codes [T, k] (int8 codes + 128) -> fp32 [T, n]: the int32 sums x w_scale."""
         return torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, ZERO_POINT, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+            codes, 1.0, ZERO_POINT, self.packed, w_scale, self.w_zero, None, 1.0, 0,
             torch.float32, "none", [], "")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        codes, x_scale = self._quantize(x.reshape(-1, self.k), ZERO_POINT)   # u8 [T, k]
-        return self._finish(self.matmul_codes(codes), x_scale, x, shape)
+    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.matmul_codes(codes, self.unit)
+
+    def _scaled(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.matmul_codes(codes, self.w_scale)
 
     def nbytes(self) -> int:
-        return super().nbytes() + torch.ops.mkldnn._nbytes(self.packed) + 8
+        return super().nbytes() + torch.ops.mkldnn._nbytes(self.packed) + 8 + 4
 
 
 class IntMMKernel(_Kernel):
     """`torch._int_mm` (s8 x s8 -> int32), then the scales in fp32."""
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 amax_reduce: AmaxReduce | None = None):
-        super().__init__(q, w_scale, bias, amax_reduce)
+                 row: RowParallel | None = None):
+        super().__init__(q, w_scale, bias, row)
         self.q_t = q.t()                                   # [k, n] view: column-major codes
         self.min_rows = CUDA_MIN_ROWS if q.device.type == "cuda" else 1
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        codes, x_scale = self._quantize(x.reshape(-1, self.k))          # s8 [T, k]
+    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
         t = codes.shape[0]
         if t < self.min_rows:
             codes = torch.cat([codes, codes.new_zeros(self.min_rows - t, self.k)])
-        acc = torch._int_mm(codes, self.q_t)[:t].float()                 # [T, n]
-        return self._finish(acc.mul_(self.w_scale), x_scale, x, shape)
+        return torch._int_mm(codes, self.q_t)[:t]                        # int32 [T, n]
 
     def nbytes(self) -> int:
         return super().nbytes() + self.q_t.numel()
 
 
 class ReferenceKernel(_Kernel):
-    """`reference` per call (no TP amax reduce needed by the tests that use it: TP=1)."""
+    """The sums in float64 (exact): `reference`, per call."""
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 amax_reduce: AmaxReduce | None = None):
-        super().__init__(q, w_scale, bias, amax_reduce)
+                 row: RowParallel | None = None):
+        super().__init__(q, w_scale, bias, row)
         self.q = q
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        codes, x_scale = self._quantize(x.reshape(-1, self.k))
-        acc = F.linear(codes.float(), self.q.float())
-        return self._finish(acc.mul_(self.w_scale), x_scale, x, shape)
+    def _sums(self, codes: torch.Tensor) -> torch.Tensor:
+        return F.linear(codes.double(), self.q.double()).float()
 
     def nbytes(self) -> int:
         return super().nbytes() + self.q.numel()
@@ -181,23 +216,24 @@ def onednn_problem() -> str | None:
 
 
 def make_w8a8_kernel(t: dict[str, torch.Tensor], bias: torch.Tensor | None,
-                     amax_reduce: AmaxReduce | None = None):
+                     row: RowParallel | None = None):
     """The kernel for codes `t["qweight"]` [n, k] and scales `t["weight_scale"]` [n] on their
-    device (module doc); a CPU without working oneDNN ops falls back with a warning."""
+    device (module doc); a CPU without working oneDNN ops falls back with a warning. `row`:
+    the collectives of a row-parallel projection."""
     q, scale = t["qweight"], t["weight_scale"]
     device = q.device.type
     if device == "cpu":
         problem = onednn_problem()
         if problem is None:
-            return OnednnKernel(q, scale, bias, amax_reduce)
+            return OnednnKernel(q, scale, bias, row)
         kind = IntMMKernel if hasattr(torch, "_int_mm") else ReferenceKernel
         warnings.warn(f"quantization='w8a8': {problem}; running {kind.__name__} instead "
                       "(slower than bf16 here, docs/benchmarks.md 'W8A8')", RuntimeWarning)
-        return kind(q, scale, bias, amax_reduce)
+        return kind(q, scale, bias, row)
     n, k = q.shape
     if device == "cuda" and hasattr(torch, "_int_mm") and n % 8 == 0 and k % 8 == 0:
-        return IntMMKernel(q, scale, bias, amax_reduce)
-    return ReferenceKernel(q, scale, bias, amax_reduce)
+        return IntMMKernel(q, scale, bias, row)
+    return ReferenceKernel(q, scale, bias, row)
 
 
 # ---- the bytes a kernel keeps: the memory plan ---------------------------------------------
@@ -243,7 +279,7 @@ def _packed(layout: tuple[int, int, int], n: int, k: int) -> int:
 def resident_bytes(n: int, k: int, device: str, layout: tuple[int, int, int] | None) -> int:
     """Bytes the kernel `make_w8a8_kernel` builds keeps for an [n, k] group on `device`: the
     codes as it holds them (oneDNN's padded blocks with `layout` = `onednn_layout()`, else
-    n x k) + fp32 scales (+ oneDNN's one int64 zero point)."""
+    n x k) + fp32 scales (+ oneDNN's int64 zero point and unit fp32 scale)."""
     if str(device).startswith("cpu") and layout is not None:
-        return _packed(layout, n, k) + 4 * n + 8
+        return _packed(layout, n, k) + 4 * n + 8 + 4
     return n * k + 4 * n
