@@ -148,6 +148,8 @@ def main() -> None:
         print("|---|---|---|---|")
         compare("int8 weight-only", load_quantized_model(path, "int8")(**kwargs), want, real)
         compare("w8a8", load_quantized_model(path, "w8a8")(**kwargs), want, real)
+        compare("w8a8, embedding in fp32", load_quantized_model(
+            path, QuantConfig("w8a8", embedding=False))(**kwargs), want, real)
         for kind in sorted(set(role.values())):
             model = load_quantized_model(path, "w8a8", pack=False)
             keep_weight_only(model, roles(model), kind)

@@ -28,6 +28,12 @@ class QuantConfig:
     method: str                             # "int8" | "int4" | "w8a8"
     group_size: int = DEFAULT_GROUP_SIZE    # int4: input columns sharing a scale and zero
     lm_head: bool = True                    # quantize the LM head too (see the module doc)
+    embedding: bool | None = None           # the input embedding table in int8 per row;
+                                            # None: w8a8 does (quantization.py), int8/int4 not
+
+    @property
+    def quantizes_embedding(self) -> bool:
+        return self.method == "w8a8" if self.embedding is None else self.embedding
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -136,8 +142,18 @@ def linear_buffers(linear: nn.Linear) -> dict[str, torch.Tensor]:
             if (buf := linear._buffers.get(name)) is not None}
 
 
-def is_quantized(linear: nn.Module) -> bool:
-    return isinstance(linear, nn.Linear) and "qweight" in linear._buffers
+def is_quantized(module: nn.Module) -> bool:
+    """A Linear (or, w8a8, an Embedding) whose weight is quantized buffers."""
+    return isinstance(module, (nn.Linear, nn.Embedding)) and "qweight" in module._buffers
+
+
+def embedding_lookup(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """A quantized Embedding's forward: the rows of `ids` [...] dequantized -> [..., d], in
+    the model dtype (the scales'), rounded once as `dequantize` rounds them."""
+    bufs = linear_buffers(embedding)
+    flat = ids.reshape(-1)
+    rows = {"qweight": bufs["qweight"][flat], "weight_scale": bufs["weight_scale"][flat]}
+    return dequantize(rows, QuantConfig("int8")).view(*ids.shape, -1)
 
 
 def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,16 @@
-"""Weight-only quantization (`quantization="int8" | "int4" | "int4:G"`): which layers are
+"""Quantization (`quantization="int8" | "int4" | "int4:G" | "w8a8"`): which layers are
 quantized, turning a model's projections into quantized ones, and loading them from a bf16/fp32
-checkpoint (the format's math: quant_format.py; the matmuls: quant_kernels.py).
+checkpoint (the format's math: quant_format.py; the matmuls: quant_kernels.py, w8a8_kernels.py).
 
-Formats (both computed at load, in fp32, from the tensor the unquantized model would have held):
+Formats (all computed at load, in fp32, from the tensor the unquantized model would have held):
 * int8: symmetric per output channel: w ~ q * s, q int8 in [-127, 127], s = max|w_row| / 127.
 * int4: asymmetric per group of G input columns (G = 128 by default; 32, 64, 128 or 256, what
   torch's CPU kernel accepts), the convention of torch's int4 kernels (tinygemm):
   w ~ (q - 8) * scale + zero, q in [0, 15], zero = min + 8 * scale.
+* w8a8: int8's weights, and every projection's input quantized per row at run time (int8
+  arithmetic, w8a8_kernels.py). Its input embedding table is int8 per row too (a row looked
+  up is dequantized): at LLaDA-8B's shape the bf16 table (0.96 GiB) would keep the model's
+  peak at 0.553 x bf16's, over the 0.55 bound (docs/benchmarks.md "W8A8").
 Scales and zeros are stored in the model dtype (the kernels take them in the activations'
 dtype); codes are rounded against the stored, already-rounded scale and zero.
 
@@ -30,6 +34,7 @@ quantized bytes plus one chunk (LOAD_CHUNK_BYTES), never a whole bf16 tensor.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import torch
@@ -37,9 +42,9 @@ from torch import nn
 
 from cover_vllm.models.layers import FusedLinears, projection_groups
 from cover_vllm.models.loader import load_into
-from cover_vllm.models.quant_format import (QuantConfig, is_quantized, linear_buffers,
-                                            parse_quantization, quantize_rows,
-                                            reference_linear)
+from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, is_quantized,
+                                            linear_buffers, parse_quantization,
+                                            quantize_rows, reference_linear)
 from cover_vllm.models.quant_kernels import QuantizedGroup
 from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
 from cover_vllm.models.safetensors_io import Slice
@@ -54,7 +59,7 @@ LOAD_CHUNK_BYTES = 16 << 20     # rows of a checkpoint tensor staged at once; qu
 # ---- quantized Linear layers ---------------------------------------------------------------
 
 def quantized_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """(qualified name, Linear) of every quantized Linear of `model`."""
+    """(qualified name, module) of every quantized Linear (and w8a8 Embedding) of `model`."""
     for name, module in model.named_modules():
         if is_quantized(module):
             yield name, module
@@ -125,11 +130,31 @@ def _selected_groups(model: nn.Module, config: QuantConfig) -> list[FusedLinears
     return [g for g in projection_groups(model) if id(g) not in skip]
 
 
+def _selected_embeddings(model: nn.Module, config: QuantConfig) -> list[nn.Embedding]:
+    """The input embedding tables to quantize (`QuantConfig.quantizes_embedding`): every
+    nn.Embedding of a model whose LM head is its own matrix (`tied` False: a tied head reads
+    the table's `weight` directly, a model that does not say keeps it)."""
+    if not config.quantizes_embedding or getattr(model, "tied", True):
+        return []
+    return [m for m in model.modules() if isinstance(m, nn.Embedding)]
+
+
+def _quantize_weight(module: nn.Module, config: QuantConfig, n: int, k: int) -> None:
+    """Replace `module`'s [n, k] weight parameter by the empty buffers of `config`'s format."""
+    weight = module.weight
+    module.weight = None                                         # no longer a parameter
+    for name, (shape, dtype) in config.storage(n, k, weight.dtype).items():
+        module.register_buffer(name, torch.empty(shape, dtype=dtype, device=weight.device))
+    module.quant_config = config
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     """Turn the projections of a meta-device `model` (already a rank's shard) into quantized
     Linears: each group gets a `QuantizedGroup`, each Linear the empty buffers of its format
-    instead of its weight. Returns how many Linears were converted (0 for None)."""
+    instead of its weight; w8a8 also turns the input embedding into int8 rows
+    (`_selected_embeddings`, looked up by `embedding_lookup`). Returns how many modules were
+    converted (0 for None)."""
     config = parse_quantization(config)
     if config is None:
         return 0
@@ -137,16 +162,15 @@ def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     count = 0
     for group in _selected_groups(model, config):
         for lin in group.linears:
-            weight = lin.weight
-            lin.weight = None                                    # no longer a parameter
-            for name, (shape, dtype) in config.storage(lin.out_features, lin.in_features,
-                                                       weight.dtype).items():
-                lin.register_buffer(name, torch.empty(shape, dtype=dtype, device=weight.device))
-            lin.quant_config = config
+            _quantize_weight(lin, config, lin.out_features, lin.in_features)
             count += 1
         group.quant = QuantizedGroup(group, config)
         if len(group.linears) == 1:     # called as a module (TP's all-reduce hook still runs)
             group.linears[0].forward = group.__call__
+    for emb in _selected_embeddings(model, config):
+        _quantize_weight(emb, QuantConfig("int8"), emb.num_embeddings, emb.embedding_dim)
+        emb.forward = functools.partial(embedding_lookup, emb)
+        count += 1
     return count
 
 
@@ -196,7 +220,8 @@ def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
     """Quantize checkpoint tensor `name` (its TP slice `sl`) into `linear`'s buffers."""
     bufs = linear_buffers(linear)
     dtype = bufs["weight_scale"].dtype           # the model dtype: what it would have loaded as
-    shard = (linear.out_features, linear.in_features)
+    shard = ((linear.num_embeddings, linear.embedding_dim) if isinstance(linear, nn.Embedding)
+             else (linear.out_features, linear.in_features))
     want = sl.full_shape(shard) if sl is not None else shard
     got = source.shape(name)
     if got is not None and tuple(got) != want:
@@ -233,6 +258,10 @@ def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = N
             claimed.add(name)
         if pack:
             group.pack()
+    for prefix, module in quantized_linears(model):       # w8a8's embedding: replicated
+        if isinstance(module, nn.Embedding):
+            _load_linear(module, module.quant_config, source, f"{prefix}.weight", None)
+            claimed.add(f"{prefix}.weight")
     load_into(model, _Without(source, claimed) if claimed else source, slices)
 
 
