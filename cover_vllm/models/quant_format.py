@@ -15,7 +15,8 @@ from torch import nn
 METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)       # what torch's CPU int4 kernel accepts
 DEFAULT_GROUP_SIZE = 128
-QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero")
+QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero", "qresidual")
+EMBEDDING_RESIDUAL_STEPS = 14   # w8a8's embedding: the residual's step is 1/14 of int8's
 _ALLOWED = ("None, 'int8', 'int4', 'int4:G' (G = 32, 64, 128 or 256 input columns per scale) "
             "or 'w8a8'")
 
@@ -28,8 +29,9 @@ class QuantConfig:
     method: str                             # "int8" | "int4" | "w8a8"
     group_size: int = DEFAULT_GROUP_SIZE    # int4: input columns sharing a scale and zero
     lm_head: bool = True                    # quantize the LM head too (see the module doc)
-    embedding: bool | None = None           # the input embedding table in int8 per row;
-                                            # None: w8a8 does (quantization.py), int8/int4 not
+    embedding: bool | None = None           # the input embedding table in 12 bits a value
+                                            # (`quantize_embedding_rows`); None: w8a8 does,
+                                            # int8 / int4 do not
 
     @property
     def quantizes_embedding(self) -> bool:
@@ -147,13 +149,42 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding)) and "qweight" in module._buffers
 
 
+# ---- w8a8's embedding table: 12 bits a value ------------------------------------------------
+
+def embedding_storage(v: int, d: int, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Buffer name -> (shape, dtype) of a quantized [v, d] embedding table (d even)."""
+    return {"qweight": ((v, d), torch.int8), "qresidual": ((v, d // 2), torch.uint8),
+            "weight_scale": ((v,), dtype)}
+
+
+def quantize_embedding_rows(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """w [v, d] -> int8 codes per row (as int8 weights), plus the residual w - q * s in 4 bits
+    (codes -7..7 of step s / 14, stored + 8 as nibbles): |error| <= s / 28, about 1/14 of int8's
+    and below bf16's own rounding. A row is looked up once per token, so only memory counts:
+    12 bits a value, where int8 rows alone moved cover-tiny's accuracy by up to 1.7 points
+    (docs/benchmarks.md "W8A8")."""
+    t = quantize_rows(w, QuantConfig("int8"), dtype)
+    scale = t["weight_scale"].float()[:, None]
+    residual = w.float() - t["qweight"].float() * scale                  # |r| <= s / 2
+    steps = residual.mul_(EMBEDDING_RESIDUAL_STEPS).div_(scale).round_().clamp_(-7, 7)
+    t["qresidual"] = pack_nibbles(steps.add_(8).to(torch.uint8))
+    return t
+
+
+def dequantize_embedding(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The rows [v, d] the buffers of `quantize_embedding_rows` stand for, in the scales'
+    dtype (one rounding)."""
+    scale = t["weight_scale"]
+    fine = unpack_nibbles(t["qresidual"]).float().sub_(8).div_(EMBEDDING_RESIDUAL_STEPS)
+    return ((t["qweight"].float() + fine) * scale.float()[:, None]).to(scale.dtype)
+
+
 def embedding_lookup(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """A quantized Embedding's forward: the rows of `ids` [...] dequantized -> [..., d], in
-    the model dtype (the scales'), rounded once as `dequantize` rounds them."""
-    bufs = linear_buffers(embedding)
+    """A quantized Embedding's forward: the rows of `ids` [...] dequantized -> [..., d] in
+    the model dtype (`dequantize_embedding`)."""
     flat = ids.reshape(-1)
-    rows = {"qweight": bufs["qweight"][flat], "weight_scale": bufs["weight_scale"][flat]}
-    return dequantize(rows, QuantConfig("int8")).view(*ids.shape, -1)
+    rows = {name: buf[flat] for name, buf in linear_buffers(embedding).items()}
+    return dequantize_embedding(rows).view(*ids.shape, -1)
 
 
 def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:

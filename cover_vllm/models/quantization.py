@@ -8,9 +8,11 @@ Formats (all computed at load, in fp32, from the tensor the unquantized model wo
   torch's CPU kernel accepts), the convention of torch's int4 kernels (tinygemm):
   w ~ (q - 8) * scale + zero, q in [0, 15], zero = min + 8 * scale.
 * w8a8: int8's weights, and every projection's input quantized per row at run time (int8
-  arithmetic, w8a8_kernels.py). Its input embedding table is int8 per row too (a row looked
-  up is dequantized): at LLaDA-8B's shape the bf16 table (0.96 GiB) would keep the model's
-  peak at 0.553 x bf16's, over the 0.55 bound (docs/benchmarks.md "W8A8").
+  arithmetic, w8a8_kernels.py). Its input embedding table takes 12 bits a value too (int8
+  rows + a 4-bit residual, quant_format.quantize_embedding_rows; a row looked up is
+  dequantized): at LLaDA-8B's shape the bf16 table (0.96 GiB) kept the model's peak at
+  0.553 x bf16's, over the 0.55 bound, and int8 rows alone cost accuracy
+  (docs/benchmarks.md "W8A8").
 Scales and zeros are stored in the model dtype (the kernels take them in the activations'
 dtype); codes are rounded against the stored, already-rounded scale and zero.
 
@@ -42,9 +44,10 @@ from torch import nn
 
 from cover_vllm.models.layers import FusedLinears, projection_groups
 from cover_vllm.models.loader import load_into
-from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, is_quantized,
-                                            linear_buffers, parse_quantization,
-                                            quantize_rows, reference_linear)
+from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, embedding_storage,
+                                            is_quantized, linear_buffers, parse_quantization,
+                                            quantize_embedding_rows, quantize_rows,
+                                            reference_linear)
 from cover_vllm.models.quant_kernels import QuantizedGroup
 from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
 from cover_vllm.models.safetensors_io import Slice
@@ -139,20 +142,20 @@ def _selected_embeddings(model: nn.Module, config: QuantConfig) -> list[nn.Embed
     return [m for m in model.modules() if isinstance(m, nn.Embedding)]
 
 
-def _quantize_weight(module: nn.Module, config: QuantConfig, n: int, k: int) -> None:
-    """Replace `module`'s [n, k] weight parameter by the empty buffers of `config`'s format."""
+def _quantize_weight(module: nn.Module, storage) -> None:
+    """Replace `module`'s weight parameter by empty buffers: `storage(model dtype)` gives
+    their names, shapes and dtypes."""
     weight = module.weight
     module.weight = None                                         # no longer a parameter
-    for name, (shape, dtype) in config.storage(n, k, weight.dtype).items():
+    for name, (shape, dtype) in storage(weight.dtype).items():
         module.register_buffer(name, torch.empty(shape, dtype=dtype, device=weight.device))
-    module.quant_config = config
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     """Turn the projections of a meta-device `model` (already a rank's shard) into quantized
     Linears: each group gets a `QuantizedGroup`, each Linear the empty buffers of its format
-    instead of its weight; w8a8 also turns the input embedding into int8 rows
+    instead of its weight; w8a8 also stores the input embedding in 12 bits a value
     (`_selected_embeddings`, looked up by `embedding_lookup`). Returns how many modules were
     converted (0 for None)."""
     config = parse_quantization(config)
@@ -162,13 +165,16 @@ def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     count = 0
     for group in _selected_groups(model, config):
         for lin in group.linears:
-            _quantize_weight(lin, config, lin.out_features, lin.in_features)
+            _quantize_weight(lin, functools.partial(config.storage, lin.out_features,
+                                                    lin.in_features))
+            lin.quant_config = config
             count += 1
         group.quant = QuantizedGroup(group, config)
         if len(group.linears) == 1:     # called as a module (TP's all-reduce hook still runs)
             group.linears[0].forward = group.__call__
     for emb in _selected_embeddings(model, config):
-        _quantize_weight(emb, QuantConfig("int8"), emb.num_embeddings, emb.embedding_dim)
+        _quantize_weight(emb, functools.partial(embedding_storage, emb.num_embeddings,
+                                                emb.embedding_dim))
         emb.forward = functools.partial(embedding_lookup, emb)
         count += 1
     return count
@@ -215,13 +221,17 @@ def _row_chunks(full_rows: int, sl: Slice | None, row_bytes: int) -> Iterator[tu
 
 
 @torch.no_grad()
-def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
-                 sl: Slice | None) -> None:
-    """Quantize checkpoint tensor `name` (its TP slice `sl`) into `linear`'s buffers."""
+def _load_linear(linear: nn.Module, source, name: str, sl: Slice | None) -> None:
+    """Quantize checkpoint tensor `name` (its TP slice `sl`) into `linear`'s buffers (a
+    quantized Linear, or w8a8's Embedding)."""
     bufs = linear_buffers(linear)
     dtype = bufs["weight_scale"].dtype           # the model dtype: what it would have loaded as
-    shard = ((linear.num_embeddings, linear.embedding_dim) if isinstance(linear, nn.Embedding)
-             else (linear.out_features, linear.in_features))
+    if isinstance(linear, nn.Embedding):
+        shard = (linear.num_embeddings, linear.embedding_dim)
+        quantize = functools.partial(_quantize_embedding_rows, dtype)
+    else:
+        shard = (linear.out_features, linear.in_features)
+        quantize = functools.partial(_quantize_linear_rows, linear.quant_config, dtype)
     want = sl.full_shape(shard) if sl is not None else shard
     got = source.shape(name)
     if got is not None and tuple(got) != want:
@@ -234,8 +244,18 @@ def _load_linear(linear: nn.Linear, config: QuantConfig, source, name: str,
         if sl is not None and sl.dim == 1:        # a row-parallel rank's input columns; int8
             amax = stage.abs().amax(dim=1)        # scales by the whole row, int4's groups lie
             stage = sl.take(stage)                # inside the rank's columns: both are TP=1's
-        for key, value in quantize_rows(stage, config, dtype, amax).items():
+        for key, value in quantize(stage, amax).items():
             bufs[key][at:at + rows.size].copy_(value)
+
+
+def _quantize_linear_rows(config: QuantConfig, dtype: torch.dtype, w: torch.Tensor,
+                          amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return quantize_rows(w, config, dtype, amax)
+
+
+def _quantize_embedding_rows(dtype: torch.dtype, w: torch.Tensor,
+                             amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return quantize_embedding_rows(w, dtype)           # replicated: never a column slice
 
 
 def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = None,
@@ -254,13 +274,13 @@ def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = N
             continue
         for linear in group.linears:
             name = f"{names[id(linear)]}.weight"
-            _load_linear(linear, linear.quant_config, source, name, slices.get(name))
+            _load_linear(linear, source, name, slices.get(name))
             claimed.add(name)
         if pack:
             group.pack()
     for prefix, module in quantized_linears(model):       # w8a8's embedding: replicated
         if isinstance(module, nn.Embedding):
-            _load_linear(module, module.quant_config, source, f"{prefix}.weight", None)
+            _load_linear(module, source, f"{prefix}.weight", None)
             claimed.add(f"{prefix}.weight")
     load_into(model, _Without(source, claimed) if claimed else source, slices)
 
