@@ -17,7 +17,11 @@ recorded from the fp32 model (FusedLinears calls), and for each projection:
 
 Then the logits against fp32 (max / mean |d|, argmax agreement on the real positions) for
 int8, w8a8, and w8a8 with one kind of projection (qkv, out, gate_up, down, head) kept
-weight-only.
+weight-only. `--smoothquant` (LLaDA models, e.g. cover-tiny) adds SmoothQuant-style migration
+on the MLP down projections (Xiao et al. 2023, eq. 4: s_c = max|X_c|^a / max|W_c|^(1-a), the
+down input's channel c divided by s_c, folded exactly into up_proj's row c, and down's column
+c multiplied by it), with s from the recorded inputs (calibrated) or from the weights alone
+(a proxy: |gamma * gate_c| * |gamma * up_c|, gamma the ff_norm weight).
 """
 
 from __future__ import annotations
@@ -133,15 +137,50 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, real: torch.Tensor
     print(f"| {name} | {diff.max():.3f} | {diff.mean():.4f} | {agree:.2%} |")
 
 
+def smoothed(path: str, seen: dict, alpha: float, proxy: bool) -> torch.nn.Module:
+    """A w8a8 model of `path` whose down projections were smoothed (module doc)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    fp32 = load_model(path).eval()
+    for block, seen_down in zip(fp32.model.transformer.blocks, seen):
+        w_down = block.ff_out.weight.data                               # [d, M]
+        if proxy:
+            gamma = block.ff_norm.weight[None]
+            x_max = (block.ff_proj.weight * gamma).norm(dim=1) * (block.up_proj.weight
+                                                                  * gamma).norm(dim=1)
+        else:
+            x_max = seen_down.abs().amax(0)
+        s = x_max.clamp_min(1e-8) ** alpha / w_down.abs().amax(0).clamp_min(1e-8) ** (1 - alpha)
+        s = s / s.median()
+        block.up_proj.weight.data /= s[:, None]
+        block.ff_out.weight.data *= s[None, :]
+    out = tempfile.mkdtemp()
+    try:
+        for name in os.listdir(path):
+            if not name.endswith(".safetensors"):
+                shutil.copy(os.path.join(path, name), out)
+        save_file({k: v.contiguous() for k, v in fp32.state_dict().items()},
+                  os.path.join(out, "model.safetensors"))
+        return load_quantized_model(out, "w8a8")
+    finally:
+        shutil.rmtree(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="cover-tiny")
+    p.add_argument("--smoothquant", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     path, kwargs, real = inputs(args.model)
     fp32 = load_model(path).eval()
     role = roles(fp32)
-    layer_table(fp32, record(fp32, kwargs), role)
+    seen = record(fp32, kwargs)
+    layer_table(fp32, seen, role)
     with torch.no_grad():
         want = fp32(**kwargs)
         print("\n| logits vs fp32 | max abs d | mean abs d | argmax agreement |")
@@ -154,6 +193,17 @@ def main() -> None:
             model = load_quantized_model(path, "w8a8", pack=False)
             keep_weight_only(model, roles(model), kind)
             compare(f"w8a8, {kind} weight-only", model(**kwargs), want, real)
+        if args.smoothquant:
+            from cover_vllm.models.builtin import resolve_model_dir
+
+            downs = [torch.cat(seen[id(b.down)]) for b in fp32.model.transformer.blocks]
+            directory = str(resolve_model_dir(path)) if not path.startswith("/") else path
+            for alpha in (0.5, 0.8):
+                for proxy in (False, True):
+                    model = smoothed(directory, downs, alpha, proxy)
+                    compare(f"w8a8, down smoothed a={alpha} "
+                            f"({'weight proxy' if proxy else 'calibrated'})", model(**kwargs),
+                            want, real)
 
 
 if __name__ == "__main__":

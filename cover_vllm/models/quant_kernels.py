@@ -23,7 +23,8 @@ q|k|v [12288, 4096], ms per call at 32 / 256 rows; docs/benchmarks.md "Quantized
 So on a CPU: int8 -> `TiledKernel`; int4 -> torch's int4 pack in bf16 (fp16), `TiledKernel` in
 fp32. No quantized kernel beats the bf16 GEMM on this CPU: its BF16 dot products make a 32-row
 bf16 window read-bound at ~13 GB/s, while every weight-only kernel spends more time widening
-codes than it saves in bytes. Quantization here buys memory, not speed.
+codes than it saves in bytes. Weight-only quantization here buys memory, not speed (W8A8's
+int8 arithmetic buys both: w8a8_kernels.py).
 
 * `TiledKernel`: dequantize TILE_BYTES of rows into the activations' dtype (in cache) and run
   torch's GEMM on them (F.linear: oneDNN / MKL), tile by tile.
