@@ -35,7 +35,12 @@ class FlopModel:
 
     @classmethod
     def of(cls, model: torch.nn.Module, dims: ModelDims) -> "FlopModel":
-        """From a built model (the meta device is enough) and its dims (all heads)."""
+        """From a built model (the meta device is enough) and its dims (all heads); a model
+        whose tokens do not go through every weight (a MoE counted as its active experts, not
+        all of them) gives its own (`flop_coefficients()`: the three fields, in order)."""
+        own = getattr(model, "flop_coefficients", None)
+        if callable(own):
+            return cls(*own())
         total = sum(p.numel() for p in model.parameters() if p.dim() == 2)
         per_token = total - 2 * dims.vocab_size * dims.hidden_size     # embedding and head
         return cls(per_token, 4 * dims.num_layers * dims.num_heads * dims.head_dim,

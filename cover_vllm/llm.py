@@ -11,6 +11,7 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 
 PromptType = str | dict | list
 
@@ -99,6 +100,38 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return self._add_and_run(prompts, params, use_tqdm, "Generating")
+
+    def loglikelihood(self, requests: Any | Sequence[Any],
+                      params: LoglikelihoodParams | Sequence[LoglikelihoodParams] | None = None,
+                      use_tqdm: bool = True) -> list[LoglikelihoodOutput]:
+        """The Monte-Carlo log-likelihood of each continuation given its context (the official
+        LLaDA estimator; docs/architecture.md "Likelihood scoring"); results in request order.
+
+        A request is {"context_token_ids": [...], "continuation_token_ids": [...]} or a
+        (context, continuation) pair of strings (encoded as lm-eval's `_encode_pair`: trailing
+        spaces of the context move to the continuation). `params`: one LoglikelihoodParams for
+        all or one per request. Every request is validated before any is queued; scoring runs
+        batched with whatever else the engine runs.
+        """
+        if isinstance(requests, dict) or (isinstance(requests, tuple) and len(requests) == 2
+                                          and all(isinstance(s, str) for s in requests)):
+            requests = [requests]
+        requests = list(requests)
+        if not requests:
+            raise ValueError("requests is empty")
+        params = LoglikelihoodParams() if params is None else params
+        if isinstance(params, LoglikelihoodParams):
+            params = [params] * len(requests)
+        params = list(params)
+        if len(params) != len(requests):
+            raise ValueError(f"got {len(params)} LoglikelihoodParams for {len(requests)} "
+                             "requests")
+        if not all(isinstance(p, LoglikelihoodParams) for p in params):
+            raise TypeError("params must be LoglikelihoodParams (or a list of them)")
+        return self._add_and_run(requests, params, use_tqdm, "Scoring")
+
+    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, desc: str) -> list:
         ids = [f"req-{next(self._ids)}" for _ in prompts]
         added = []
         try:
@@ -109,11 +142,11 @@ class LLM:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, desc)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "Generating") -> list:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -10,6 +10,7 @@ from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
 
 MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
+MAX_N = 64            # most outputs per prompt (`n`), offline and on the server alike
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -18,6 +19,17 @@ def _check_int(name: str, value: Any, allow_none: bool) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
+
+
+def check_n(n: Any, owner: str = "") -> None:
+    """`n` (outputs per prompt) is an int from 1 to MAX_N; `owner` prefixes the field name."""
+    _check_int("n", n, allow_none=False)
+    if not 1 <= n <= MAX_N:
+        raise ValueError(
+            f"{owner}n (outputs per prompt) must be an integer from 1 to {MAX_N}, got {n}: each "
+            "output is its own canvas, queued and decoded as a request of its own, so n costs "
+            f"n requests' memory and time at once; for more samples, call again (with a seed, "
+            f"seed + {MAX_N} continues where the last call's outputs stopped)")
 
 
 def _check_str_list(name: str, value: Any) -> list:
@@ -93,8 +105,8 @@ class SamplingParams:
     the engine's cache mode for this request ("none" | "prefix" | "dual") and `cache_refresh` its
     refresh policy ("block" | "interval:N" | "adaptive"; cover_vllm/cache_refresh.py).
 
-    `n` outputs are generated per prompt, each on its own canvas (batched together); under a
-    `seed` output i draws from seed + i (vLLM's rule), so output 0 equals the n=1 output.
+    `n` (1..MAX_N) outputs are generated per prompt, each on its own canvas (batched together);
+    under a `seed` output i draws from seed + i (vLLM's rule), so output 0 equals the n=1 output.
     `logprobs` = k (0..MAX_LOGPROBS; None: off) returns, for every generated token, a dict
     {token id: Logprob} holding the chosen token and the k most likely tokens of the model's
     distribution at the step that committed it: log_softmax of that position's logits row in
@@ -130,10 +142,7 @@ class SamplingParams:
         for name in ("block_length", "steps", "seed", "logprobs"):
             _check_int(name, getattr(self, name), allow_none=True)
         _check_int("top_k", self.top_k, allow_none=False)
-        _check_int("n", self.n, allow_none=False)
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n (outputs per prompt) must be an int >= 1, "
-                             f"got {self.n}")
+        check_n(self.n, "SamplingParams.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs must be None (off) or an int from 0 "
                              f"(the chosen token only) to {MAX_LOGPROBS}, got {self.logprobs}")

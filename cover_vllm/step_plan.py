@@ -94,7 +94,8 @@ class RowDecision:
 class ModelRunnerOutput:
     """What one forward returns to the engine: the views' logits, per work item, and the
     statistics a strategy or the refresh policy asked for (the runner builds it; tensor
-    parallelism reduces its statistics across ranks)."""
+    parallelism reduces its statistics across ranks). Logits and the strategies' statistics
+    live on the model's device; the refresh policy's masses on the host."""
 
     logits: list[torch.Tensor]    # per work item: [view_len, V] float32, row i predicts view pos i
     drift: list[torch.Tensor | None] | None = None     # per item [view_len] (want_stats items)
@@ -104,3 +105,8 @@ class ModelRunnerOutput:
     cached_mass: list[float | None] | None = None   # per item: share of the still-masked view
                                     # rows' attention on keys outside the view (None: no such row)
     column_mass: list[torch.Tensor | None] | None = None   # per item [L]: that attention per key
+    host_copies: int = 0          # device-to-host copies the forward made (the attention
+                                  # mass, the scoring totals)
+    host_bytes: int = 0           # and the bytes they moved
+    scores: list | None = None    # per SchedulerOutput.score_items entry: its ScoreResult
+                                  # (likelihood scoring, cover_vllm/scoring/)

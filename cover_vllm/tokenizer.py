@@ -111,9 +111,12 @@ class LocalTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = True, return_dict: bool = False,
+                            **kwargs: Any) -> str | list[int] | dict[str, list[int]]:
         """Renders the template as Hugging Face does (sandboxed jinja2, trim/lstrip blocks,
-        special tokens and `raise_exception` in scope); ids without added special tokens."""
+        special tokens and `raise_exception` in scope); ids without added special tokens, as a
+        list, or with `return_dict` as `__call__` gives them (transformers 5's default: pass
+        return_dict=False there for the list)."""
         if not self.chat_template:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template")
         if self._template is None:
@@ -130,7 +133,10 @@ class LocalTokenizer:
         text = self._template.render(messages=list(messages),
                                      add_generation_prompt=add_generation_prompt,
                                      **specials, **kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        return self(text, add_special_tokens=False) if return_dict else self.encode(
+            text, add_special_tokens=False)
 
 
 def _plain_fast_config(path: Path) -> dict | None:
@@ -159,13 +165,38 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False) -> An
     config = _plain_fast_config(path)
     if config is not None:
         return LocalTokenizer(path, config)
+    return hf_tokenizer(path, trust_remote_code)
+
+
+def hf_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    """The Hugging Face class for the tokenizer in `path` (local files only): what
+    `load_tokenizer` returns when `LocalTokenizer` does not apply."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    kwargs = {"local_files_only": True, **_extra_special_tokens(path)}
     if (path / "tokenizer.json").is_file() and not trust_remote_code and _names_custom_class(path):
         # tokenizer.json is self-contained; the custom class is not executed.
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                         trust_remote_code=trust_remote_code)
+        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _extra_special_tokens(path: Path) -> dict[str, list[str]]:
+    """tokenizer_config.json's `additional_special_tokens` under transformers 5's name.
+
+    transformers 5 renamed the key to `extra_special_tokens`, and 5.0 through 5.17 (5.18 fixed
+    it) drop the old one when the file also holds the new one, which transformers 4.5x writes
+    as `{}`: the tokens (cover-tiny's chat roles) stop being special, so they leave
+    `all_special_ids` (structured outputs blank those) and `skip_special_tokens` keeps them."""
+    import transformers
+
+    config_path = path / "tokenizer_config.json"
+    if int(transformers.__version__.split(".")[0]) < 5 or not config_path.is_file():
+        return {}
+    config = json.loads(config_path.read_text())
+    tokens = config.get("additional_special_tokens")
+    if not tokens or config.get("extra_special_tokens"):
+        return {}
+    return {"extra_special_tokens": [_token_text(t) for t in tokens]}
 
 
 def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -179,6 +210,6 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> l
                                for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):   # some transformers versions return a BatchEncoding
+    if hasattr(ids, "keys"):   # transformers 5 returns a BatchEncoding by default (4.x: ids)
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -23,7 +23,8 @@ import torch
 
 from cover_vllm import SamplingParams
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.strategies import BlockState, StepBatch, Strategy, make_params, strategy_class
+from cover_vllm.strategies import (BlockState, StepBatch, Strategy, decide_now, make_params,
+                                   strategy_class)
 
 # forward(input_ids [L], mask [L, L] bool, True = may attend) -> logits [L, V]
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -145,7 +146,7 @@ def run_requests(forward: Forward, spec: ModelSpec, prompts: list[list[int]],
 
 
 def _decide(strategy: Strategy, reqs: list[RefRequest], logits: list[torch.Tensor]) -> None:
-    d = strategy.decide(_step_batch(reqs, logits))
+    d = decide_now(strategy, _step_batch(reqs, logits))
     for i, r in enumerate(reqs):
         start, end = r.block
         w = end - start

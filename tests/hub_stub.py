@@ -1,9 +1,13 @@
-"""A stand-in Hugging Face Hub on 127.0.0.1 for tests: the routes huggingface_hub 0.36 calls to
-download a snapshot, served from bytes in memory by the standard library's HTTP server.
+"""A stand-in Hugging Face Hub on 127.0.0.1 for tests: the routes huggingface_hub calls to
+download a snapshot (0.x with transformers 4, 1.x/2.x with transformers 5), served from bytes in
+memory by the standard library's HTTP server.
 
 * `GET /api/models/{org}/{name}/revision/{revision}` (HfApi.model_info, which
-  snapshot_download calls first): `{"id", "sha", "siblings": [{"rfilename"}]}`; an unknown repo
+  snapshot_download calls first): `{"id", "sha", "siblings": [{"rfilename"}], ...}`; an unknown repo
   or revision is a 404 with `X-Error-Code: RepoNotFound` / `RevisionNotFound`, as the hub sends.
+* `GET /api/models/{org}/{name}/tree/{revision}` (HfApi.list_repo_tree, which huggingface_hub
+  2.x's snapshot_download lists the commit's files with): one page of `{"type": "file", "path",
+  "size", "oid"}` (and `"lfs"` on `*.safetensors`), the same ids the resolve route sends.
 * `HEAD` and `GET /{org}/{name}/resolve/{revision}/{file}` (file_download.get_hf_file_metadata,
   then http_get): `X-Repo-Commit` (the commit sha, required), `ETag` (the blob id the cache is
   keyed by), `Content-Length` (the expected size), and on `*.safetensors` (LFS files on the real
@@ -38,6 +42,11 @@ def commit_sha(files: Files) -> str:
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
     return digest.hexdigest()
+
+
+def _etag(data: bytes) -> str:
+    """A file's id (the hub's ETag / blob id): here the sha256 of its bytes."""
+    return hashlib.sha256(data).hexdigest()
 
 
 class HubStub:
@@ -100,6 +109,8 @@ class HubStub:
         parts = path.strip("/").split("/")
         if len(parts) >= 5 and parts[:2] == ["api", "models"] and parts[4] == "revision":
             self._model_info(handler, f"{parts[2]}/{parts[3]}", "/".join(parts[5:]), body)
+        elif len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "tree":
+            self._tree(handler, f"{parts[2]}/{parts[3]}", parts[5], body)
         elif len(parts) >= 5 and parts[2] == "resolve":
             self._file(handler, f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), body)
         else:
@@ -113,8 +124,23 @@ class HubStub:
             return self._error(handler, "RevisionNotFound", body)
         sha, files = entry
         data = json.dumps({"id": repo, "modelId": repo, "sha": sha, "private": False,
+                           "downloads": 0, "likes": 0, "tags": [],      # 0.23 requires these
                            "siblings": [{"rfilename": name} for name in files]}).encode()
         self._send(handler, 200, data, {"Content-Type": "application/json"}, body)
+
+    def _tree(self, handler, repo: str, revision: str, body: bool) -> None:
+        entry = self._revision(repo, revision) if repo in self.repos else None
+        if entry is None:
+            return self._error(handler, "RepoNotFound" if repo not in self.repos
+                               else "RevisionNotFound", body)
+        listing = []
+        for name, data in entry[1].items():
+            item = {"type": "file", "path": name, "size": len(data), "oid": _etag(data)}
+            if name.endswith(".safetensors"):
+                item["lfs"] = {"oid": _etag(data), "size": len(data), "pointerSize": 134}
+            listing.append(item)
+        self._send(handler, 200, json.dumps(listing).encode(),
+                   {"Content-Type": "application/json"}, body)
 
     def _file(self, handler, repo: str, revision: str, name: str, body: bool) -> None:
         entry = self._revision(repo, revision) if repo in self.repos else None
@@ -125,7 +151,7 @@ class HubStub:
         if name not in files:
             return self._error(handler, "EntryNotFound", body, {"X-Repo-Commit": sha})
         data = files[name]
-        etag = hashlib.sha256(data).hexdigest()
+        etag = _etag(data)
         headers = {"X-Repo-Commit": sha, "ETag": f'"{etag}"'}
         if name.endswith(".safetensors"):
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))})

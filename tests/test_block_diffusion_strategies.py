@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.strategies import BlockState, StepBatch, make_params, strategy_class
+from cover_vllm.strategies import BlockState, StepBatch, decide_now, make_params, strategy_class
 from cover_vllm.strategies.llada2 import block_schedule
 from cover_vllm.strategies.sampling import token_prob
 
@@ -57,7 +57,7 @@ def commits(decision, row: int = 0) -> list[int]:
 
 def step(strategy, st: BlockState, toks: list[int], preds) -> tuple[object, list[int]]:
     """One decision on one request; returns it and the block after applying it."""
-    d = strategy.decide(batch([(toks, preds)], [st]))
+    d = decide_now(strategy, batch([(toks, preds)], [st]))
     change = d.commit[0] | (d.replace[0] if d.replace is not None else False)
     out = [int(d.tokens[0, j]) if change[j] else t for j, t in enumerate(toks)]
     st.step += 1

@@ -9,7 +9,7 @@ from cover_vllm import LLM, SamplingParams
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.request import Request
 from cover_vllm.strategies import make_params, strategy_class
-from cover_vllm.strategies.base import BlockState, StepBatch
+from cover_vllm.strategies.base import BlockState, StepBatch, decide_now
 from cover_vllm.strategies.cover import CoverMemory
 
 
@@ -106,7 +106,7 @@ def _decide_one(tokens, seeds, probs, params=None, strategy=None, state=None):
         temperature=torch.zeros(1, dtype=torch.float64), top_p=torch.ones(1, dtype=torch.float64),
         top_k=torch.full((1,), -1), generators=[torch.Generator()], mask_id=9,
         seeds=torch.tensor([seeds]))
-    return strategy.decide(batch)
+    return decide_now(strategy, batch)
 
 
 def _none(mask):

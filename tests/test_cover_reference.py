@@ -17,7 +17,7 @@ import torch
 
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.strategies import make_params, strategy_class
-from cover_vllm.strategies.base import BlockState, StepBatch
+from cover_vllm.strategies.base import BlockState, StepBatch, decide_now
 from cover_vllm.strategies.cover import MEMORY_FIELDS, CoverMemory, CoverState
 
 # the reference keeps COVER's memory as one [6, L] array, rows in the strategy's field order
@@ -172,7 +172,7 @@ def test_decide_matches_the_reference_on_random_batches(params):
             seeds=torch.tensor(pad([r[1] for r in reqs], False)),
             drift=torch.tensor(pad([r[7] for r in reqs], 0.0)) if with_stats else None,
             attn_in=torch.tensor(pad([r[8] for r in reqs], 0.0)) if with_stats else None)
-        d = strategy.decide(batch)
+        d = decide_now(strategy, batch)
         probs = torch.softmax(logits.to(torch.float64), dim=-1).tolist()
         for row, r in enumerate(reqs):
             tokens, seeds, valid, block, _, mem, extra, drift, attn_in = r

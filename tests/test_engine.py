@@ -42,7 +42,7 @@ def test_cache_modes_equal_none_when_refreshed_every_step(llada_dir, mode):
     for p in params:
         p.kv_cache = None
     exact = LLM(llada_dir, kv_cache="none").generate(prompts, params, use_tqdm=False)
-    cached = LLM(llada_dir, kv_cache=mode, cache_refresh_interval=1).generate(
+    cached = LLM(llada_dir, kv_cache=mode, cache_refresh="interval:1").generate(
         prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in exact]
     assert all(o.metrics.refreshes == o.metrics.nfe for o in cached)

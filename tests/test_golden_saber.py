@@ -46,7 +46,7 @@ def test_cases_batched(engines, family):
 def test_cache_modes_refreshing_every_step_are_exact(family, case, kv_cache):
     """The window covers saber's whole view: with a refresh every step the cache modes are exact."""
     llm = LLM(str(GOLDEN / family / "model"), decoding="saber", kv_cache=kv_cache,
-              cache_refresh_interval=1)
+              cache_refresh="interval:1")
     outs = llm.generate(real_prompts(case), sampling_params(case), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected_tokens(case)
     assert [o.metrics.nfe for o in outs] == [case["nfe"]] * len(outs)

@@ -51,7 +51,7 @@ def test_reference_attention_backend_agrees(case=CASES[0]):
 def test_cache_modes(case, kv_cache):
     """Refreshed every step the cache modes are exact (shadow K/V never enter the cache); with
     the default block-start refresh they run and finish every block (approximate by design)."""
-    exact = LLM(MODEL, decoding="wino", kv_cache=kv_cache, cache_refresh_interval=1)
+    exact = LLM(MODEL, decoding="wino", kv_cache=kv_cache, cache_refresh="interval:1")
     outs = exact.generate(real_prompts(case), sampling_params(case), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected_tokens(case)
     assert [o.metrics.nfe for o in outs] == [case["nfe"]]

@@ -216,12 +216,12 @@ def test_local_tokenizer_matches_hugging_face_on_cover_tiny() -> None:
 
     from cover_vllm.models.builtin import resolve_model_dir
     from cover_vllm.tasks import get_task, list_tasks
-    from cover_vllm.tokenizer import LocalTokenizer
+    from cover_vllm.tokenizer import LocalTokenizer, hf_tokenizer
 
     path = resolve_model_dir("cover-tiny")
     local = load_tokenizer(path)
-    hf = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    assert isinstance(local, LocalTokenizer)
+    hf = hf_tokenizer(path)               # what load_tokenizer builds when LocalTokenizer can't
+    assert isinstance(local, LocalTokenizer) and isinstance(hf, PreTrainedTokenizerFast)
     for attr in ("eos_token_id", "pad_token_id", "mask_token_id", "unk_token_id",
                  "bos_token_id", "chat_template"):
         assert getattr(local, attr) == getattr(hf, attr), attr
@@ -239,9 +239,15 @@ def test_local_tokenizer_matches_hugging_face_on_cover_tiny() -> None:
         assert local(text)["input_ids"] == hf(text)["input_ids"]
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text},
                     {"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
-        for gen in (True, False):
+        for gen in (True, False):       # return_dict: transformers 5's default is True, 4's False
             assert local.apply_chat_template(messages, add_generation_prompt=gen) == list(
-                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True))
+                hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                       return_dict=False))
+            as_dict = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                             return_dict=True)        # 4.x adds token_type_ids
+            assert local.apply_chat_template(messages, add_generation_prompt=gen,
+                                             return_dict=True) == {
+                k: as_dict[k] for k in ("input_ids", "attention_mask")}
             assert local.apply_chat_template(messages, add_generation_prompt=gen,
                                              tokenize=False) == hf.apply_chat_template(
                 messages, add_generation_prompt=gen, tokenize=False)
@@ -252,6 +258,30 @@ def test_local_tokenizer_matches_hugging_face_on_cover_tiny() -> None:
                 ids, skip_special_tokens=skip)
     assert apply_chat_template(local, [{"role": "user", "content": "12+30="}]) == \
         apply_chat_template(hf, [{"role": "user", "content": "12+30="}])
+
+
+def test_hugging_face_tokenizer_keeps_additional_special_tokens_special(tmp_path: Path) -> None:
+    """A tokenizer_config.json saved by transformers 4.5x (`additional_special_tokens` and an
+    empty `extra_special_tokens`), loaded through the Hugging Face class (here because decode
+    cleans up spaces): the chat roles stay special under transformers 4 and 5 alike."""
+    import shutil
+
+    from cover_vllm.models.builtin import resolve_model_dir
+    from cover_vllm.tokenizer import LocalTokenizer
+
+    src = resolve_model_dir("cover-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["extra_special_tokens"] == {} and config["additional_special_tokens"]
+    config["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert not isinstance(tok, LocalTokenizer)
+    roles = tok.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"])
+    assert set(roles) <= set(tok.all_special_ids)
+    ids = tok.encode("<|user|>12+30=<|assistant|>42", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == "12+30=42"
 
 
 def test_cover_tiny_loads_without_importing_transformers() -> None:

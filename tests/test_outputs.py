@@ -101,8 +101,26 @@ def test_one_bad_request_adds_none_of_its_children(llm) -> None:
     assert llm.engine.num_free_pages == llm.engine.pool.num_pages
 
 
+def test_a_runaway_n_is_refused_everywhere_with_the_limit_and_the_reason(llm) -> None:
+    """n=100000 used to queue 100000 children (minutes at `0/1`, memory growing per child);
+    now every way in refuses it as the server does, and queues nothing."""
+    words = r"n \(outputs per prompt\) must be an integer from 1 to 64, got 100000: each output"
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(n=100000)
+    assert SamplingParams(n=64).n == 64
+    params = SamplingParams(max_tokens=4)
+    params.n = 100000                 # a dataclass field reset after validation: caught too
+    for call in (lambda: llm.generate([PROMPT], params, use_tqdm=False),
+                 lambda: llm.chat([{"role": "user", "content": "1+2="}], params,
+                                  use_tqdm=False)):
+        with pytest.raises(ValueError, match=words):
+            call()
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.num_free_pages == llm.engine.pool.num_pages
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(n=0), ValueError, "n .*>= 1"), (dict(n=-2), ValueError, "n "),
+    (dict(n=0), ValueError, "n .*1 to 64"), (dict(n=-2), ValueError, "n "),
     (dict(n=2.0), TypeError, "n must be an int"), (dict(logprobs=-1), ValueError, "0"),
     (dict(logprobs=21), ValueError, "20"), (dict(logprobs=True), TypeError, "logprobs")])
 def test_bad_n_and_logprobs_say_what_is_allowed(kwargs, exc, match) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.strategies import STRATEGIES, BlockState, StepBatch, make_params, strategy_class
+from cover_vllm.strategies import (STRATEGIES, BlockState, StepBatch, decide_now, make_params,
+                                   strategy_class)
 
 V = 16                                   # vocab; the last id is [MASK]
 MASK = V - 1
@@ -144,17 +145,45 @@ def test_batched_decision_equals_per_row(name, params, quota, hot):
     reqs = [Req(i, strategy, hot) for i in range(4)]
     for r, warmup in zip(reqs, WARMUP):                 # different states: steps taken alone
         for _ in range(warmup):
-            _apply(r, _rows(strategy.decide(_batch([r], [r.generator])), 0, r.tokens.numel()))
+            _apply(r, _rows(decide_now(strategy, _batch([r], [r.generator])), 0, r.tokens.numel()))
     alone = copy.deepcopy(reqs)
     batch_gens = [_copy_generator(r.generator) for r in reqs]
-    batched = strategy.decide(_batch(reqs, batch_gens))
+    batched = decide_now(strategy, _batch(reqs, batch_gens))
     for i, r in enumerate(alone):
         w = r.tokens.numel()
-        single = _rows(strategy.decide(_batch([r], [r.generator])), 0, w)
+        single = _rows(decide_now(strategy, _batch([r], [r.generator])), 0, w)
         assert _rows(batched, i, w) == single, f"request {i}"
         assert _comparable(reqs[i].state.extra) == _comparable(r.state.extra), f"state {i}"
         assert _comparable(reqs[i].state.memory) == _comparable(r.state.memory), f"memory {i}"
         assert torch.equal(batch_gens[i].get_state(), r.generator.get_state()), f"stream {i}"
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["T0", "T>0"])
+@pytest.mark.parametrize("quota", [False, True], ids=["llada_spec", "dream_spec"])
+@pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{p}" for n, p in CASES])
+def test_device_path_decides_as_the_cpu_path(name, params, quota, hot):
+    """The path a GPU takes (every view row read, `dense_rows`) gives the CPU's compact path's
+    decision, state and random stream, step after step."""
+    from cover_vllm.strategies.sampling import dense_rows
+
+    if name == "saber" and params and params.get("eos_penalty") and not quota:
+        pytest.skip("eos_penalty belongs to Saber's Dream decoder")
+    strategy = strategy_class(name)(make_params(name, params), _spec(quota))
+    compact = [Req(i, strategy, hot) for i in range(4)]
+    dense = copy.deepcopy(compact)
+    for _ in range(3):
+        batch = _batch(compact, [r.generator for r in compact])
+        want = decide_now(strategy, batch)
+        with dense_rows():
+            got = decide_now(strategy, _batch(dense, [r.generator for r in dense]))
+        for i, (a, b) in enumerate(zip(compact, dense)):
+            w = a.tokens.numel()
+            assert _rows(got, i, w) == _rows(want, i, w), f"request {i}"
+            assert _comparable(a.state.extra) == _comparable(b.state.extra), f"state {i}"
+            assert _comparable(a.state.memory) == _comparable(b.state.memory), f"memory {i}"
+            assert torch.equal(a.generator.get_state(), b.generator.get_state()), f"stream {i}"
+            _apply(a, _rows(want, i, w))
+            _apply(b, _rows(got, i, w))
 
 
 def test_saber_eos_penalty_needs_the_dream_rules():

@@ -17,19 +17,24 @@ PACKAGE = Path(cover_vllm.__file__).parent
 LAYERS = [
     ("foundation", ["cover_vllm.logger", "cover_vllm.outputs", "cover_vllm.cache_refresh",
                     "cover_vllm.config", "cover_vllm.sampling_params", "cover_vllm.step_plan",
-                    "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args"]),
-    ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops"]),
+                    "cover_vllm.host_transfer",
+                    "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args",
+                    "cover_vllm.scoring"]),
+    ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops",
+               "cover_vllm.scoring.reference"]),
     ("strategies", ["cover_vllm.strategies", "cover_vllm.structured_output"]),
     ("scheduler", ["cover_vllm.scheduler"]),
     ("worker", ["cover_vllm.worker", "cover_vllm.distributed", "cover_vllm.executor",
                 "cover_vllm.reference_decode"]),
     ("engine", ["cover_vllm.engine"]),
     ("offline API", ["cover_vllm.llm", "cover_vllm.__init__"]),
-    ("applications", ["cover_vllm.eval", "cover_vllm.benchmarks", "cover_vllm.entrypoints.server"]),
+    ("applications", ["cover_vllm.eval", "cover_vllm.benchmarks", "cover_vllm.entrypoints.server",
+                      "cover_vllm.harness"]),
     ("command line", ["cover_vllm.entrypoints.__init__", "cover_vllm.entrypoints.llm",
                       "cover_vllm.entrypoints.cli", "cover_vllm.entrypoints.cli_types",
                       "cover_vllm.entrypoints.engine_flags", "cover_vllm.entrypoints.serve_cli",
-                      "cover_vllm.__main__"]),
+                      "cover_vllm.entrypoints.generate_cli",
+                      "cover_vllm.entrypoints.scoring_cli", "cover_vllm.__main__"]),
 ]
 
 

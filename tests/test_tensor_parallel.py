@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -91,10 +92,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
 
 
 # ---- the sharding transform, two ranks as threads of this process (no Ray, no processes) -----
-@pytest.mark.parametrize("family", ["llada", pytest.param("dream", marks=pytest.mark.slow),
-                                    pytest.param("llada_moe", marks=pytest.mark.slow),
-                                    "sdar", "llada2"])
-def test_sharded_forward_matches_unsharded_in_threads(family):
+@contextmanager
+def thread_ranks(family: str):
+    """(config, spec, the unsharded Worker, two TP ranks as Workers in this process)."""
     config = _config(family)
     resolved = resolve_model(config.model)
     spec = ModelSpec.from_config(resolved.config)
@@ -104,6 +104,17 @@ def test_sharded_forward_matches_unsharded_in_threads(family):
     port = comms[0].serve_store("127.0.0.1")
     _in_threads(lambda r: comms[r].connect("127.0.0.1", port), 2)
     try:
+        yield config, spec, full, ranks
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.parametrize("family", ["llada", pytest.param("dream", marks=pytest.mark.slow),
+                                    pytest.param("llada_moe", marks=pytest.mark.slow),
+                                    "sdar", "llada2"])
+def test_sharded_forward_matches_unsharded_in_threads(family):
+    with thread_ranks(family) as (_, _, full, ranks):
         out, _ = _golden_batch(family, want_stats=True)
         want = full.execute_model(out)
         got = _in_threads(lambda r: ranks[r].execute_model(out), 2)
@@ -115,9 +126,6 @@ def test_sharded_forward_matches_unsharded_in_threads(family):
             _close(got[0].drift[i], want.drift[i])                     # stats averaged over ranks
             _close(got[0].attn_in[i], want.attn_in[i])
         _assert_halved(full.model, ranks[0].model)
-    finally:
-        for c in comms:
-            c.close()
 
 
 def _assert_halved(full: torch.nn.Module, rank: torch.nn.Module) -> None:

@@ -74,6 +74,36 @@ def test_a_request_over_max_model_len_is_refused(capped):
                     use_tqdm=False)                        # exactly 64 fits
 
 
+def test_an_over_long_request_names_the_field_at_fault(capped):
+    """A prompt that leaves no room for one token is the prompt's fault; a prompt that fits
+    with too many max_tokens is max_tokens' (the server's 400 names the same field)."""
+    with pytest.raises(ValueError, match=r"^prompt \(64 tokens\) leaves no room for a "
+                                         r"generated token .* max_model_len=64"):
+        capped.generate({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=1),
+                        use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^max_tokens \(32\) \+ prompt \(40 tokens\) .* "
+                                         r"give max_tokens <= 24"):
+        capped.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=32),
+                        use_tqdm=False)
+    assert not capped.engine.has_unfinished_requests()
+
+
+def test_an_over_long_request_on_a_block_causal_model_counts_whole_blocks():
+    """SDAR's canvas ends on a block boundary: with 32-token blocks and max_model_len=64 a
+    33-token prompt leaves room for 31 tokens, a 64-token one for none."""
+    from golden_cases import GOLDEN
+
+    llm = LLM(str(GOLDEN / "sdar" / "model"), max_model_len=64, decoding="sdar", num_threads=1)
+    params = SamplingParams(max_tokens=32, block_length=32)
+    with pytest.raises(ValueError, match=r"^max_tokens .* a 96-token canvas.* <= 31"):
+        llm.generate({"prompt_token_ids": [5] * 33}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt \(64 tokens\) leaves no room"):
+        llm.generate({"prompt_token_ids": [5] * 64}, params, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5] * 33}, SamplingParams(
+        max_tokens=31, block_length=32, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 31
+
+
 def test_seed_makes_sampling_reproducible():
     """As in vLLM: the same engine seed and the same requests give the same samples."""
     params = SamplingParams(max_tokens=16, temperature=1.0, decoding="low_confidence")

@@ -1,6 +1,8 @@
 """`cover-vllm bench latency`: one request per decoding, per-step time split by engine phase.
 
-Phases: schedule, prepare (batch layout), forward (the model), strategy (decide), update.
+Phases: schedule, prepare (batch layout), forward (the model), strategy (decide, and the
+decisions' copy to the host), update; `host_ms` is everything but the forward and `host_bytes`
+what a step copies from the device to the host (0 on a CPU engine).
 Window steps (not refreshes) are reported separately, so decoders are compared over the same
 forward window; `vs_first` is each decoding's mean window-step time over the first one's.
 
@@ -22,7 +24,7 @@ from cover_vllm.benchmarks.throughput import ThroughputSpec, Workload
 from cover_vllm.engine.observer import PHASES, StepObserver, StepTimes
 from cover_vllm.llm import LLM
 from cover_vllm.models.builtin import resolve_model
-from cover_vllm.strategies import BlockState, make_params, strategy_class
+from cover_vllm.strategies import BlockState, decide_now, make_params, strategy_class
 
 
 def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
@@ -31,8 +33,8 @@ def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
     threads = pin_threads(spec.model, spec.threads)
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
-               num_threads=threads, dtype=spec.dtypes[0],
-               quantization=spec.quantization), threads
+               num_threads=threads, dtype=spec.dtypes[0], quantization=spec.quantization,
+               device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes), threads
 
 
 def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
@@ -59,6 +61,8 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
             for phase in PHASES:
                 row[f"{phase}_ms"] = 1e3 * statistics.mean(t[phase] for t in window)
             row["step_ms"] = sum(row[f"{p}_ms"] for p in PHASES)
+            row["host_ms"] = row["step_ms"] - row["forward_ms"]     # everything but the model
+            row["host_bytes"] = statistics.mean(t["host_bytes"] for t in window)
             row["request_ms"] = 1e3 * sum(sum(t[p] for p in PHASES) for t in steps) / repeats
             rows.append(row)
     for kv in spec.kv_caches:
@@ -69,8 +73,8 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
 
 
 def format_latency(rows: list[dict]) -> str:
-    cols = ["decoding", "kv_cache", "nfe", *[f"{p}_ms" for p in PHASES], "step_ms", "vs_first",
-            "request_ms"]
+    cols = ["decoding", "kv_cache", "nfe", *[f"{p}_ms" for p in PHASES], "step_ms", "host_ms",
+            "host_bytes", "vs_first", "request_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
@@ -172,13 +176,13 @@ class _Replay:
         self.threshold = strategy_class("threshold")(
             make_params("threshold", None if bar is None else {"threshold": bar}), strategy.spec)
         states = [BlockState(block_steps=st.block_steps) for st in batch.states]
-        for st, n in zip(states, batch.candidates.sum(-1).tolist()):
+        for st, n in zip(states, batch.host.candidates.sum(-1).tolist()):
             self.threshold.start_block(st, n)
         self.plain_batch = dataclasses.replace(batch, seeds=None, drift=None, attn_in=None,
                                                states=states)
         # each request's block as the scheduler handed it to `select_seeds` (seeds unmasked)
         self.blocks = [(row[blk], int(blk.nonzero()[0])) for row, blk in
-                       zip(batch.tokens, batch.in_block)]
+                       zip(batch.host.tokens, batch.host.in_block)]
 
     def step(self, execute, verify: bool) -> tuple[float, float]:
         """(forward seconds, strategy seconds) of one replay; the strategy's share is the seed
@@ -194,7 +198,7 @@ class _Replay:
         selected = time.perf_counter()
         execute(self.out if verify else self.plain_out)
         forward = time.perf_counter()
-        strategy.decide(batch)
+        decide_now(strategy, batch)                  # the decision, its copy and bookkeeping
         end = time.perf_counter()
         return forward - selected, (selected - start) + (end - forward)
 

@@ -16,7 +16,8 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("flip_flops", "{:.2f}"), ("peak_kv_pages", "{}"), ("overhead_fraction", "{:.1%}"),
            ("mfu", "{:.1%}"), ("mfu_bound", "{:.1%}"), ("mbu", "{:.1%}"),
            ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
-           ("flops_per_token", "{:.4g}"), ("prefix_hit_rate", "{:.1%}")]
+           ("flops_per_token", "{:.4g}"), ("prefix_hit_rate", "{:.1%}"),
+           ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}")]
 
 
 def _cell(fmt: str, value) -> str:

@@ -13,6 +13,7 @@ machine whose speed drifts slows every row alike), and its row reports the run o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -54,6 +55,8 @@ class ThroughputSpec:
     dtypes: tuple[str, ...] = ("auto",)   # weights and activations: each is a set of rows
     repeats: int = 1                   # timed runs of every combination, round-robin
     quantization: str | None = None    # EngineConfig.quantization: weight-only int8 / int4
+    device: str = "cpu"                # EngineConfig.device ("meta": host work alone)
+    kv_cache_memory_bytes: int | None = None
 
 
 @dataclass
@@ -76,7 +79,8 @@ class ThroughputRow:
     flip_flops: float
     peak_kv_pages: int
     overhead_fraction: float           # share of step time outside the model forward
-    mfu: float                         # model FLOPs / time / measured matmul peak in `dtype`
+    mfu: float | None                  # model FLOPs / time / measured matmul peak in `dtype`
+                                       # (None on the shapes-only "meta" device)
     speedup_vs_reference: float | None
     seconds: float
     gflops_per_token: float            # model FLOPs spent per useful token
@@ -84,14 +88,18 @@ class ThroughputRow:
                                             # speed-up at equal MFU
     refreshes: float = 0.0             # full-canvas forwards per request
     flops_per_token: float = 0.0       # model FLOPs / generated slots (cover_vllm/flops.py)
-    mfu_bound: float = 1.0             # the roofline: the highest MFU these forwards can reach
+    mfu_bound: float | None = 1.0      # the roofline: the highest MFU these forwards can reach
                                        # streaming their weights at the measured read rate
-    mbu: float = 0.0                   # weight bytes read per second / the measured read rate
+    mbu: float | None = 0.0            # weight bytes read per second / the measured read rate
     repeats: int = 1                   # timed runs; the time-derived fields are the median run's
     tokens_per_s_runs: tuple[float, ...] = ()   # every run's tokens/s, in run order
     prefix_hit_rate: float | None = None   # prompt tokens found in the prefix cache / looked
                                            # up, over the row's requests (None: no lookups:
                                            # prefix caching off, full attention, kv_cache none)
+    host_ms_per_step: float = 0.0      # a step's wall time outside the model forward (mean):
+                                       # scheduling, layout, decisions, their copy, updates
+    host_bytes_per_step: float = 0.0   # bytes copied from the device to the host per step
+                                       # (0 on a CPU engine: nothing moves)
 
 
 def prefix_hit_rate(metrics) -> float | None:
@@ -188,6 +196,8 @@ class _Run(NamedTuple):
     flops: float             # model FLOPs of every step
     forwards: int            # engine steps
     peak_kv_pages: int
+    host_ms: float           # per step, outside the forward (mean)
+    host_bytes: float        # per step, device to host (mean)
 
 
 def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
@@ -204,7 +214,11 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
                 for t in times)
     flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
     overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
-    return _Run(outs, seconds, overhead, flops, len(times), engine.pool.peak_used)
+    steps = max(len(times), 1)
+    host_ms = 1e3 * (total - sum(t["forward"] for t in times)) / steps
+    host_bytes = sum(t["host_bytes"] for t in times) / steps
+    return _Run(outs, seconds, overhead, flops, len(times), engine.pool.peak_used, host_ms,
+                host_bytes)
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
@@ -222,9 +236,11 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
         for bs in spec.batch_sizes:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
-                      num_threads=threads, dtype=name, quantization=spec.quantization)
+                      num_threads=threads, dtype=name, quantization=spec.quantization,
+                      device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
-            if name not in report["reference"] and spec.reference_prompts:
+            if name not in report["reference"] and spec.reference_prompts and \
+                    spec.device != "meta":             # a shapes-only model yields no tokens
                 ref = run_reference(llm, work, spec.reference_prompts, peak,
                                     machine["read_gbps"])
                 report["reference"][name] = ref
@@ -248,7 +264,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         """Append and log the row of one combination from its runs (the median run's times)."""
         decoding, kv, refresh = combo
         median = statistics.median_low(run.seconds for run in measured)
-        outs, seconds, overhead, flops, forwards, peak_pages = next(
+        outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = next(
             run for run in measured if run.seconds == median)
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
                                                    getattr(torch, dtype),
@@ -277,13 +293,16 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             mfu_bound=mfu_bound(flops, streamed, peak, read_gbps),
             mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
             tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
-            prefix_hit_rate=prefix_hit_rate(ms))
+            prefix_hit_rate=prefix_hit_rate(ms), host_ms_per_step=host_ms,
+            host_bytes_per_step=host_bytes)
+        if spec.device == "meta":           # no arithmetic ran: rates against peaks mean nothing
+            row = dataclasses.replace(row, mfu=None, mfu_bound=None, mbu=None)
         report["results"].append(asdict(row))
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-            f"{row.tokens_per_s:8.1f} tok/s  MFU {row.mfu:.0%} (bound "
-            f"{row.mfu_bound:.0%}, MBU {row.mbu:.0%})  refreshes "
+            f"{row.tokens_per_s:8.1f} tok/s  {_rates(row)}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
-            f"{overhead:.0%}  ({seconds:.1f}s{_spread(row)})")
+            f"{overhead:.0%}  host {host_ms:.1f} ms/step, {host_bytes / 1e3:.1f} kB/step to "
+            f"the host  ({seconds:.1f}s{_spread(row)})")
 
     combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]
     runs: dict[tuple[str, str, str], list[_Run]] = {combo: [] for combo in combos}
@@ -293,6 +312,12 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             runs[combo].append(_measure(llm, work, work.params(spec, decoding, (kv, refresh))))
             if last:
                 record(combo, runs[combo])
+
+
+def _rates(row: ThroughputRow) -> str:
+    if row.mfu is None:
+        return "MFU - (shapes only)"
+    return f"MFU {row.mfu:.0%} (bound {row.mfu_bound:.0%}, MBU {row.mbu:.0%})"
 
 
 def _spread(row: ThroughputRow) -> str:

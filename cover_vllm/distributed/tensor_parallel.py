@@ -23,6 +23,12 @@ knows no model family and tests no module type. A module without a plan is repli
   rank routes identically, and its experts' partial outputs are reduced once, not per expert).
 * `local_dims`: the module's `dims` become the rank's (H/N heads, Hkv/N kv heads); if any
   module declares it, the model's `dims` do too, which is what sizes the rank's KV cache shard.
+* `heads` / `kv_heads` {name: heads}: a column Linear split into whole heads. Query heads must
+  split evenly; kv heads split evenly when they can, else, when there are fewer of them than
+  ranks and they divide the ranks, rank r keeps a copy of kv head r·Hkv // N, the one its query
+  heads read (grouped-query heads are contiguous): the head is replicated, not split.
+* `param_splits` {name: (dim, pieces)}: a module's own parameter that is not a Linear (stacked
+  MoE experts [E, 2M, H], [E, H, M]) sliced like a column piece split, along `dim`.
 
 Embeddings, norms, routers and the LM head are replicated: every rank computes the same
 (full-vocabulary) logits and only the driver's are used, so no gather is needed. The attention
@@ -64,6 +70,19 @@ class _Split:
     dim: int
     pieces: tuple[int, ...]
     reduce: bool = False        # row: all-reduce the Linear's output
+    heads: int | None = None    # column: whole heads in its output rows (`heads`, `kv_heads`)
+    replicable: bool = False    # kv heads: fewer than the ranks -> one copied head per rank
+
+
+@dataclasses.dataclass
+class _ParamSplit:
+    """One split parameter that is not a Linear's (`ParallelPlan.param_splits`)."""
+
+    name: str                   # qualified parameter name
+    module: nn.Module
+    attr: str
+    dim: int
+    pieces: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -71,6 +90,7 @@ class TPPlan:
     """Every module's declared split, gathered over the whole model (`collect_plan`)."""
 
     splits: list[_Split] = dataclasses.field(default_factory=list)
+    params: list[_ParamSplit] = dataclasses.field(default_factory=list)
     reduce_at: list[nn.Module] = dataclasses.field(default_factory=list)   # all-reduce outputs
     with_dims: list[nn.Module] = dataclasses.field(default_factory=list)   # modules with .dims
     declared: int = 0           # modules that declared a plan
@@ -92,7 +112,9 @@ def _module_splits(module: nn.Module, where: str, plan: ParallelPlan) -> list[_S
     for attr in plan.column:
         if attr not in plan.column_splits:           # listed in both: the pieces win
             lin = _linear(module, attr, where)
-            out.append(_Split(qualified(attr), lin, 0, (lin.out_features,)))
+            heads = plan.heads.get(attr, plan.kv_heads.get(attr))
+            out.append(_Split(qualified(attr), lin, 0, (lin.out_features,), heads=heads,
+                              replicable=attr in plan.kv_heads))
     for attr, pieces in plan.column_splits.items():
         lin = _linear(module, attr, where)
         if sum(pieces) != lin.out_features:
@@ -123,6 +145,14 @@ def collect_plan(model: nn.Module) -> TPPlan:
                 raise ValueError(f"{split.name} is split by two parallel plans")
             seen.add(id(split.linear))
             plan.splits.append(split)
+        for attr, (dim, pieces) in declared.param_splits.items():
+            param = getattr(module, attr, None)
+            if not isinstance(param, nn.Parameter) or sum(pieces) != param.shape[dim]:
+                raise ValueError(f"{type(module).__name__} ({where}) declares param_splits "
+                                 f"{attr}={(dim, pieces)}, which is not one of its parameters "
+                                 "or does not add up to its size along that dim")
+            plan.params.append(_ParamSplit(f"{where}.{attr}" if where else attr, module, attr,
+                                           dim, tuple(pieces)))
         if declared.reduce_output:
             plan.reduce_at.append(module)
         if declared.local_dims:
@@ -150,6 +180,13 @@ def check_tensor_parallel(model: nn.Module, world_size: int) -> None:
                 raise ValueError(f"tensor_parallel_size={world_size} must divide the number "
                                  f"of {what} ({n}) of {name}")
     for split in plan.splits:
+        if split.heads is not None:
+            h = split.heads
+            if h % world_size and not (split.replicable and world_size % h == 0):
+                more = " or be a multiple of them" if split.replicable else ""
+                raise ValueError(f"tensor_parallel_size={world_size} must divide the {h} heads "
+                                 f"of {split.name} of {name}{more}")
+            continue
         bad = [p for p in split.pieces if p % world_size]
         if not bad:
             continue
@@ -159,16 +196,29 @@ def check_tensor_parallel(model: nn.Module, world_size: int) -> None:
         kind = "output" if split.dim == 0 else "input"
         raise ValueError(f"tensor_parallel_size={world_size} must divide the {kind} width "
                          f"{bad[0]} of {split.name} of {name} (an MLP or attention width)")
+    for ps in plan.params:
+        if any(p % world_size for p in ps.pieces):
+            raise ValueError(f"tensor_parallel_size={world_size} must divide every piece "
+                             f"{ps.pieces} of {ps.name} of {name}")
 
 
 def _slice(split: _Split, rank: int, world_size: int) -> Slice:
-    """Rank `rank`'s ranges of `split` along its dim: its 1/N of every piece, in order."""
+    """Rank `rank`'s ranges of `split` along its dim: its 1/N of every piece, in order (a kv
+    head that cannot be split: the rows of the one head rank `rank` reads)."""
+    if split.heads is not None and split.heads % world_size:
+        full, heads = split.pieces[0], split.heads
+        size = full // heads
+        return Slice.of_ranges(0, [(rank * heads // world_size * size, size)], full)
+    return _pieces_slice(split.dim, split.pieces, rank, world_size)
+
+
+def _pieces_slice(dim: int, pieces: tuple[int, ...], rank: int, world_size: int) -> Slice:
     ranges, offset = [], 0
-    for piece in split.pieces:
+    for piece in pieces:
         size = piece // world_size
         ranges.append((offset + rank * size, size))
         offset += piece
-    return Slice.of_ranges(split.dim, ranges, offset)
+    return Slice.of_ranges(dim, ranges, offset)
 
 
 def param_slices(model: nn.Module, rank: int, world_size: int) -> dict[str, Slice]:
@@ -176,7 +226,10 @@ def param_slices(model: nn.Module, rank: int, world_size: int) -> dict[str, Slic
     fine), by name: the loader reads exactly that slice of the checkpoint tensor. Parameters
     not listed are replicated whole."""
     out = {}
-    for split in collect_plan(model).splits:
+    plan = collect_plan(model)
+    for ps in plan.params:
+        out[ps.name] = _pieces_slice(ps.dim, ps.pieces, rank, world_size)
+    for split in plan.splits:
         sl = _slice(split, rank, world_size)
         out[f"{split.name}.weight"] = sl
         bias = split.linear.bias
@@ -235,6 +288,9 @@ class TensorParallel:
             if split.reduce:
                 linear.reduce_output = self._all_reduce         # W8A8: sums its int32 sums
                 linear.register_forward_hook(self._all_reduce_hook)
+        for ps in plan.params:
+            sl = _pieces_slice(ps.dim, ps.pieces, rank, n)
+            setattr(ps.module, ps.attr, _shard_param(getattr(ps.module, ps.attr), sl))
         for module in plan.reduce_at:
             module.register_forward_hook(self._all_reduce_hook)
         local: dict[ModelDims, ModelDims] = {}     # one local object per distinct dims

@@ -1,17 +1,30 @@
-"""Runs the strategies of one step: one vectorised `decide` call per strategy instance, then
-per request its decision row: made grammar-valid for requests with structured outputs
-(cover_vllm/structured_output/constraint.py), with the written tokens' logprobs when it asked
-for them."""
+"""Runs the strategies of one step on the logits' device and brings their decisions to the host
+in one copy.
+
+Per strategy instance, one vectorised `decide` over its requests' views, on the device where the
+forward left the logits (the structured-output frontier rows masked there first), then, for the
+requests that asked, the written tokens' logprobs (also on the device). Every group's decision
+tensors then cross to the host together (cover_vllm/host_transfer.py: one copy per step,
+whatever the batch or the mix of strategies), where each strategy `absorb`s its decision (its own
+bookkeeping) and each request gets its row: made grammar-valid for requests with structured
+outputs (cover_vllm/structured_output/constraint.py), with its logprobs attached.
+
+Structured outputs with logprobs: the constraint may change what a decision writes, so those
+requests' logprobs are read after it, in one more copy (only in steps that have such requests).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from cover_vllm.engine.logprobs import attach_logprobs
+from cover_vllm.engine.logprobs import attach_logprobs, logprob_rows
+from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.step_plan import RowDecision
-from cover_vllm.strategies.base import StepBatch
+from cover_vllm.strategies.base import CanvasRows, Decision, StepBatch, Strategy
 from cover_vllm.structured_output.constraint import (ViewRow, constrain_decision,
                                                       mask_frontiers, restore)
 
@@ -20,7 +33,8 @@ def _pad_stack(rows: list[torch.Tensor], width: int, fill) -> torch.Tensor:
     """[len_i, ...] rows -> [n, width, ...], padded with `fill` (a new tensor either way)."""
     if all(r.shape[0] == width for r in rows):
         return torch.stack(rows)
-    out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), fill, dtype=rows[0].dtype,
+                     device=rows[0].device)
     for i, r in enumerate(rows):
         out[i, : r.shape[0]] = r
     return out
@@ -50,27 +64,27 @@ def _stat(rows: list[torch.Tensor | None] | None, width: int) -> torch.Tensor | 
     return _pad_stack(rows, width, 0.0)
 
 
-def _extras(rows: list[torch.Tensor | None] | None) -> tuple[torch.Tensor | None, ...]:
+def _extras(rows: list[torch.Tensor | None] | None,
+            device: torch.device) -> tuple[torch.Tensor | None, ...]:
     """Per-request extra-row logits ([E_i, V] or None) -> padded [n, E, V] and validity [n, E]."""
     if rows is None or all(r is None for r in rows):
         return None, None
     vocab = next(r for r in rows if r is not None).shape[-1]
-    rows = [torch.zeros(0, vocab) if r is None else r for r in rows]
+    rows = [torch.zeros(0, vocab, device=device) if r is None else r for r in rows]
     width = max(r.shape[0] for r in rows)
     valid = torch.zeros(len(rows), width, dtype=torch.bool)
     for i, r in enumerate(rows):
         valid[i, : r.shape[0]] = True
-    return _pad_stack(rows, width, 0.0), valid
+    return _pad_stack(rows, width, 0.0), valid.to(device)
 
 
-def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
-           attn_in=None, extra_logits=None) -> StepBatch:
-    width = max(x.shape[0] for x in logits)
+def _canvas_rows(reqs: list[Request], items, width: int) -> CanvasRows:
+    """The views' canvas rows on the host."""
     valid = torch.zeros(len(reqs), width, dtype=torch.bool)
     in_block = torch.zeros_like(valid)
     is_gen = torch.zeros_like(valid)
-    tokens = []
     seeds = torch.zeros_like(valid)
+    tokens = []
     for i, (req, item) in enumerate(zip(reqs, items)):
         if item.override:
             seeds[i, torch.tensor([s for s, _ in item.override]) - item.view_start] = True
@@ -81,64 +95,155 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         in_block[i, :n] = (pos >= start) & (pos < end)
         is_gen[i, :n] = pos >= req.prompt_len
         tokens.append(req.canvas[item.view_start:item.view_end])
+    return CanvasRows(_pad_stack(tokens, width, reqs[0].mask_id), valid, in_block, is_gen,
+                      seeds, reqs[0].mask_id)
+
+
+def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
+           attn_in=None, extra_logits=None) -> StepBatch:
+    width = max(x.shape[0] for x in logits)
+    device = logits[0].device
+    host = _canvas_rows(reqs, items, width)
     params = [r.params for r in reqs]
-    extra = _extras(extra_logits)
+    extra = _extras(extra_logits, device)
     padded = _stack_logits(logits, width)
     with torch.inference_mode():                   # the runner's logits are inference tensors
         padded[..., reqs[0].mask_id] = float("-inf")  # [MASK] is never a proposal (else: stuck)
+    dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))  # noqa: E731
     return StepBatch(
-        logits=padded, tokens=_pad_stack(tokens, width, reqs[0].mask_id),
-        valid=valid, in_block=in_block, is_gen=is_gen, states=[r.state for r in reqs],
+        logits=padded, tokens=dev(host.tokens), valid=dev(host.valid),
+        in_block=dev(host.in_block), is_gen=dev(host.is_gen), states=[r.state for r in reqs],
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
+        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=dev(host.seeds),
         drift=_stat(drift, width), attn_in=_stat(attn_in, width),
-        extra_logits=extra[0], extra_valid=extra[1])
+        extra_logits=extra[0], extra_valid=extra[1], host_rows=host)
+
+
+@dataclass
+class _Group:
+    """One strategy instance's share of the step, from `decide` to the host."""
+
+    strategy: Strategy
+    reqs: list[Request]
+    items: list
+    batch: StepBatch
+    decision: Decision                     # device tensors, then (after the copy) host ones
+    logprobs: dict[int, tuple]             # row -> logprob_rows' device (then host) tensors
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return self.decision.tensors() + [t for rows in self.logprobs.values() for t in rows]
+
+    def receive(self, host: list[torch.Tensor | None]) -> None:
+        """Take the host copies of `tensors()`, in order."""
+        fixed = len(self.decision.tensors())
+        self.decision = self.decision.from_tensors(host[:fixed])
+        rest = iter(host[fixed:])
+        self.logprobs = {row: tuple(next(rest) for _ in parts)
+                         for row, parts in self.logprobs.items()}
 
 
 def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
-                   observers=()) -> dict[str, RowDecision]:
-    """One `decide` per strategy instance over the ModelRunnerOutput `result`; each observer's
-    `on_decide(strategy, batch)` is called just before it."""
-    logits = result.logits
+                   observers=(), transfer: HostTransfer | None = None
+                   ) -> dict[str, RowDecision]:
+    """One `decide` per strategy instance over the ModelRunnerOutput `result` (each observer's
+    `on_decide(strategy, batch)` is called just before it), one copy of every decision to the
+    host, then each request's row."""
+    transfer = transfer or HostTransfer()
+    groups = [_decide(out, requests, result, idx, observers)
+              for idx in _group_rows(out, requests)]
+    host = iter(transfer.fetch([t for g in groups for t in g.tensors()]))
+    decisions, late = {}, []
+    for g in groups:
+        g.receive([next(host) for _ in g.tensors()])
+        if g.batch.device.type == "meta":
+            g.decision = _dry_run(g.batch, g.decision)
+        g.strategy.absorb(g.batch, g.decision)
+        for row, (req, item) in enumerate(zip(g.reqs, g.items)):
+            decision = _row(g.decision, row, item.view_end - item.view_start)
+            if req.grammar is not None:
+                decision = constrain_decision(req.grammar, _view_row(g.batch, row, req, item),
+                                              decision)
+                if req.params.logprobs is not None:   # read after the edit: below
+                    late.append((g, row, decision))
+            elif req.params.logprobs is not None:
+                attach_logprobs(decision, g.logprobs[row])
+            decisions[req.request_id] = decision
+    if late:
+        _late_logprobs(late, transfer)
+    return decisions
+
+
+def _group_rows(out: SchedulerOutput, requests: dict[str, Request]) -> list[list[int]]:
+    """The step's item indices grouped by strategy instance."""
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(out.items):
         groups.setdefault(id(requests[item.request_id].strategy), []).append(i)
-    decisions = {}
-    for idx in groups.values():
-        items = [out.items[i] for i in idx]
-        reqs = [requests[it.request_id] for it in items]
-        stats = [None if result.drift is None else [getattr(result, f)[i] for i in idx]
-                 for f in ("drift", "attn_in")]
-        extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
-        strategy = reqs[0].strategy
-        batch = _batch(reqs, items, [logits[i] for i in idx], *stats, extra_logits=extra)
-        for observer in observers:
-            observer.on_decide(strategy, batch)
-        saved = mask_frontiers([(r.grammar, batch.logits[row], _frontier_index(r, it))
-                                for row, (r, it) in enumerate(zip(reqs, items)) if r.grammar])
-        d = strategy.decide(batch)
-        restore(saved)
-        zeros = [0] * len(reqs)
-        keeps = zeros if d.keeps is None else d.keeps.tolist()
-        verified = zeros if d.verified is None else d.verified.tolist()
-        stops = [False] * len(reqs) if d.stop is None else d.stop.tolist()
-        for row, (req, item) in enumerate(zip(reqs, items)):
-            n = item.view_end - item.view_start
-            pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
-            decision = RowDecision(
-                commit=d.commit[row, :n], tokens=d.tokens[row, :n], remask=pick(d.remask),
-                replace=pick(d.replace), keeps=keeps[row], verified=verified[row],
-                stop=bool(stops[row]))
-            if req.grammar is not None:
-                decision = constrain_decision(req.grammar, _view_row(batch, row, req, item),
-                                              decision)
-            # last: whatever edits the decision above, logprobs describe the tokens it writes
-            if req.params.logprobs is not None:
-                attach_logprobs(decision, batch.logits[row, :n], req.params.logprobs)
-            decisions[req.request_id] = decision
-    return decisions
+    return list(groups.values())
+
+
+def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: list[int],
+            observers) -> _Group:
+    """One strategy's decision for the items `idx`, on the logits' device, with the logprob
+    rows of the requests that asked (structured requests read theirs after the constraint)."""
+    items = [out.items[i] for i in idx]
+    reqs = [requests[it.request_id] for it in items]
+    stats = [None if result.drift is None else [getattr(result, f)[i] for i in idx]
+             for f in ("drift", "attn_in")]
+    extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
+    strategy = reqs[0].strategy
+    batch = _batch(reqs, items, [result.logits[i] for i in idx], *stats, extra_logits=extra)
+    for observer in observers:
+        observer.on_decide(strategy, batch)
+    saved = mask_frontiers([(r.grammar, batch.logits[row], _frontier_index(r, it))
+                            for row, (r, it) in enumerate(zip(reqs, items)) if r.grammar])
+    d = strategy.decide(batch)
+    restore(saved)
+    written = d.commit if d.replace is None else d.commit | d.replace
+    logprobs = {row: logprob_rows(batch.logits[row], written[row], d.tokens[row],
+                                  r.params.logprobs)
+                for row, r in enumerate(reqs)
+                if r.params.logprobs is not None and r.grammar is None}
+    return _Group(strategy, reqs, items, batch, d, logprobs)
+
+
+def _row(d: Decision, row: int, n: int) -> RowDecision:
+    """Request `row`'s decision over its n view positions (host tensors)."""
+    pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
+    return RowDecision(commit=d.commit[row, :n], tokens=d.tokens[row, :n],
+                       remask=pick(d.remask), replace=pick(d.replace),
+                       keeps=0 if d.keeps is None else int(d.keeps[row]),
+                       verified=0 if d.verified is None else int(d.verified[row]),
+                       stop=False if d.stop is None else bool(d.stop[row]))
+
+
+def _dry_run(batch: StepBatch, d: Decision) -> Decision:
+    """A shapes-only ("meta") step has no values, so its host copy is zeros, which would commit
+    nothing forever: it commits every [MASK] of the current block instead (a token that is not
+    [MASK]), so a dry run ends as a real one would (tests/test_device.py, the meta benchmarks)."""
+    candidates = batch.host.candidates
+    token = 1 if batch.mask_id == 0 else 0
+    return Decision(commit=candidates, tokens=torch.full_like(d.tokens, token),
+                    remask=None if d.remask is None else torch.zeros_like(candidates),
+                    replace=None if d.replace is None else torch.zeros_like(candidates),
+                    keeps=d.keeps, verified=d.verified, stop=d.stop, state=d.state)
+
+
+def _late_logprobs(late: list, transfer: HostTransfer) -> None:
+    """Logprobs of structured requests, for the decisions the constraint settled: one more
+    device pass and copy."""
+    parts = []
+    for g, row, decision in late:
+        written = decision.commit if decision.replace is None else \
+            decision.commit | decision.replace
+        logits = g.batch.logits[row, : written.shape[0]]
+        parts.append(logprob_rows(logits, written.to(logits.device),
+                                  decision.tokens.to(logits.device),
+                                  g.reqs[row].params.logprobs))
+    host = iter(transfer.fetch([t for p in parts for t in p]))
+    for (_, _, decision), p in zip(late, parts):
+        attach_logprobs(decision, tuple(next(host) for _ in p))
 
 
 def _frontier_index(req: Request, item) -> int:
@@ -152,9 +257,10 @@ def _frontier_index(req: Request, item) -> int:
 
 def _view_row(batch: StepBatch, row: int, req: Request, item) -> ViewRow:
     n = item.view_end - item.view_start
+    host = batch.host
     if req.strategy.masked_rows_only:    # a sparse window computes masked rows and seeds only
-        drawable = batch.masked[row, :n] | batch.seeds[row, :n]
+        drawable = host.masked[row, :n] | host.seeds[row, :n]
     else:
-        drawable = batch.valid[row, :n]
-    return ViewRow(item.view_start, batch.tokens[row, :n], batch.logits[row, :n], drawable,
+        drawable = host.valid[row, :n]
+    return ViewRow(item.view_start, host.tokens[row, :n], batch.logits[row, :n], drawable,
                    req.gen_end, req.mask_id, req.params.temperature, req.generator)

@@ -32,6 +32,7 @@ from typing import Callable, Protocol
 from cover_vllm.engine.engine import Engine, EngineLoad
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scoring.params import LoglikelihoodParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +43,20 @@ class EngineRequestError(Exception):
 
 @dataclass
 class Submission:
-    """One request as a client hands it to an engine (the server fixes its seed)."""
+    """One request as a client hands it to an engine (the server fixes its seed). A scoring
+    request (params: LoglikelihoodParams) scores prompt_token_ids[context_len:] given the rest."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | LoglikelihoodParams
+    context_len: int | None = None
+
+    def engine_prompt(self) -> dict:
+        """The prompt as Engine.add_request takes it."""
+        if self.context_len is None:
+            return {"prompt_token_ids": self.prompt_token_ids}
+        return {"context_token_ids": self.prompt_token_ids[:self.context_len],
+                "continuation_token_ids": self.prompt_token_ids[self.context_len:]}
 
 
 class DriverSink(Protocol):
@@ -191,8 +201,7 @@ class EngineDriver:
         accept(None)
 
     def _engine_add(self, sub: Submission) -> None:
-        self.engine.add_request(sub.request_id, {"prompt_token_ids": sub.prompt_token_ids},
-                                sub.params)
+        self.engine.add_request(sub.request_id, sub.engine_prompt(), sub.params)
         self._live[sub.request_id] = sub
 
     def _abort(self, request_id: str) -> None:

@@ -21,6 +21,7 @@ from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
 from cover_vllm.flops import FlopModel, item_shape
+from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import resolve_engine_model
 from cover_vllm.models.loader import build_model, resolve_dtype
@@ -33,9 +34,12 @@ from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.scheduler.scheduler import Scheduler
+from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
+from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
+from cover_vllm.worker.worker import rank_device
 
 logger = init_logger(__name__)
 
@@ -70,6 +74,14 @@ def _load_tokenizer(path, required: bool = False):
     from cover_vllm.tokenizer import has_tokenizer, load_tokenizer
 
     return load_tokenizer(path) if required or has_tokenizer(path) else None
+
+
+def request_generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A request's own random stream, on the device where its decisions are made (None on the
+    shapes-only "meta" device, which draws no values)."""
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @functools.cache
@@ -120,6 +132,8 @@ class Engine:
         self._observers: list[StepObserver] = []
         self._times: StepTimes | None = None
         self._grammar_backend: GrammarBackend | None = None
+        self.device = torch.device(rank_device(config.device, 0))   # where the logits live
+        self.transfer = HostTransfer()           # the decisions' copy to the host, counted
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -132,9 +146,18 @@ class Engine:
                     params: SamplingParams) -> None:
         """Queue a request (with params.n > 1: n child requests, engine/parallel_sampling.py;
         their outputs come back under `request_id`). Raises ValueError / TypeError for bad
-        input, having queued nothing."""
-        if request_id in self._requests or request_id in self._parents:
+        input, having queued nothing. With LoglikelihoodParams it is a scoring request: the
+        prompt is {"context_token_ids", "continuation_token_ids"} or a (context,
+        continuation) text pair, and its output a LoglikelihoodOutput (cover_vllm/scoring/)."""
+        if request_id in self._requests or request_id in self._parents \
+                or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(params, LoglikelihoodParams):
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 \
+                + next(self._counter)
+            self.scheduler.scoring.add(scoring_request(self.spec, self.tokenizer, request_id,
+                                                       prompt, params, seed))
+            return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
@@ -144,16 +167,7 @@ class Engine:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
-        total = len(ids) + params.max_tokens
-        kind = self.spec.attention
-        if kind.is_block_causal:          # the canvas runs on to its last block's end
-            block = params.block_length or kind.block_size
-            total = -(-total // block) * block
-        if total > self.spec.max_model_len:
-            whose = "the model's" if self.config.max_model_len is None else "the engine's"
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"needs a {total}-token canvas, beyond {whose} max length "
-                             f"max_model_len={self.spec.max_model_len}")
+        self._check_length(len(ids), params)
         if params.n == 1:
             self._queue([self._request(request_id, text, ids, params, strategy)])
             return
@@ -166,11 +180,28 @@ class Engine:
         self._parents[request_id] = parent
         self._parent_of.update(dict.fromkeys(parent.child_ids, parent))
 
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> None:
+        """ValueError naming the field at fault when the canvas exceeds max_model_len: the
+        prompt when it leaves no room for a single token, else max_tokens."""
+        kind, limit = self.spec.attention, self.spec.max_model_len
+        block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
+        room = limit // block * block - prompt_len   # block-causal: canvases end on a block
+        whose = "the model's" if self.config.max_model_len is None else "the engine's"
+        if room < 1:
+            raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for a generated "
+                             f"token within {whose} max length max_model_len={limit}: "
+                             "shorten the prompt")
+        if params.max_tokens > room:
+            total = -(-(prompt_len + params.max_tokens) // block) * block
+            raise ValueError(f"max_tokens ({params.max_tokens}) + prompt ({prompt_len} tokens) "
+                             f"needs a {total}-token canvas, beyond {whose} max length "
+                             f"max_model_len={limit}: give max_tokens <= {room}")
+
     def _request(self, request_id: str, text: str | None, ids: list[int],
                  params: SamplingParams, strategy) -> Request:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + next(
             self._counter)
-        generator = torch.Generator().manual_seed(seed)
+        generator = request_generator(self.device, seed)
         refresh = (self.refresh_policy if params.cache_refresh is None
                    else parse_cache_refresh(params.cache_refresh))
         req = Request(request_id, text, ids, params, strategy, generator,
@@ -230,6 +261,8 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids are
         ignored."""
+        if self.scheduler.scoring.abort(request_id):
+            return
         parent = self._parents.get(self._user_id(request_id))
         for rid in parent.child_ids if parent is not None else [request_id]:
             if self.scheduler.abort_request(rid) is not None:
@@ -243,12 +276,13 @@ class Engine:
             del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self.scheduler.scoring.has_unfinished()
 
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
-        (admitted, not finished)."""
+        (admitted, not finished), scoring requests included."""
         ids = [self._user_id(r.request_id) for r in self.scheduler.running]
+        ids += [r.request_id for r in self.scheduler.scoring.running]
         return list(dict.fromkeys(ids))
 
     def _user_id(self, request_id: str) -> str:
@@ -256,28 +290,40 @@ class Engine:
         return request_id if parent is None else parent.request_id
 
     def load(self) -> EngineLoad:
-        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+        scoring = self.scheduler.scoring
+        return EngineLoad(len(self.scheduler.running) + len(scoring.running),
+                          len(self.scheduler.waiting) + len(scoring.waiting),
                           self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | LoglikelihoodOutput]:
         """One engine step. Returns an output for every request that finished in it
-        (`finished=True`) or whose current block became FINAL (`finished=False`, partial)."""
+        (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
+        FINAL (`finished=False`, partial)."""
         clock = StepClock()
         out = self.schedule()
-        if not out.items:
+        if not out.items and not out.score_items:
             return []
         clock.lap("schedule")
         self._notify("on_schedule", out)
         result = self.executor.execute_model(out)
+        if self._observers and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
         clock.lap("forward")
         self._account(out, result)
-        decisions = self.stage.decide(out, self._requests, result, self._observers)
+        copies, moved = self.transfer.copies, self.transfer.bytes
+        decisions = self.stage.decide(out, self._requests, result, self._observers,
+                                      self.transfer)
         clock.lap("strategy")
         outputs = self._apply(out, decisions)
+        if out.score_items:                 # likelihood scoring: fold in the forward's totals
+            outputs += self.scheduler.scoring.update(out.score_items, result.scores)
         clock.lap("update")
         if self._observers:
-            self._notify("on_step", StepRecord.of(clock.laps, result.prepare_s, out))
+            self._notify("on_step", StepRecord.of(
+                clock.laps, result.prepare_s, out,
+                host_copies=result.host_copies + self.transfer.copies - copies,
+                host_bytes=result.host_bytes + self.transfer.bytes - moved))
         return outputs
 
     def schedule(self) -> SchedulerOutput:

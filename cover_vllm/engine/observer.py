@@ -33,15 +33,24 @@ class StepRecord:
     num_refresh: int      # of which refreshes
     attn_pairs: int       # (query, key) pairs attended
     logit_rows: int       # rows through the LM head
+    host_copies: int = 0  # device-to-host copies (0 on a CPU engine: nothing moves)
+    host_bytes: int = 0   # bytes they brought to the host
 
     @classmethod
-    def of(cls, laps: dict[str, float], prepare_s: float, out) -> "StepRecord":
+    def of(cls, laps: dict[str, float], prepare_s: float, out, host_copies: int = 0,
+           host_bytes: int = 0) -> "StepRecord":
         shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
         return cls(schedule=laps["schedule"], prepare=prepare_s,
                    forward=laps["forward"] - prepare_s, strategy=laps["strategy"],
                    update=laps["update"], num_tokens=sum(t for t, _, _ in shapes),
                    num_seqs=len(out.items), num_refresh=sum(i.is_refresh for i in out.items),
-                   attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes))
+                   attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes),
+                   host_copies=host_copies, host_bytes=host_bytes)
+
+    @property
+    def host_s(self) -> float:
+        """Seconds of the step outside the model forward: the host's share."""
+        return self.schedule + self.prepare + self.strategy + self.update
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from cover_vllm.outputs import RequestMetrics, RequestOutput
-from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.sampling_params import SamplingParams, check_n
 
 _NOT_SUMMED = ("latency_s", "tokens_per_step")
 
@@ -28,6 +28,7 @@ def child_id(index: int, request_id: str) -> str:
 
 class ParentRequest:
     def __init__(self, request_id: str, params: SamplingParams):
+        check_n(params.n, "SamplingParams.")     # again: a dataclass field may have been reset
         self.request_id, self.params = request_id, params
         self.child_ids = [child_id(i, request_id) for i in range(params.n)]
         self.index = {cid: i for i, cid in enumerate(self.child_ids)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from cover_vllm.engine.decide import run_strategies
+from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
@@ -51,11 +52,12 @@ class StrategyStage:
 
     @staticmethod
     def decide(out: SchedulerOutput, requests: dict[str, Request], result,
-               observers=()) -> dict[str, RowDecision]:
+               observers=(), transfer: HostTransfer | None = None) -> dict[str, RowDecision]:
         """Every request's decision from the forward's ModelRunnerOutput `result`: one
-        vectorised `decide` per strategy instance (each observer's `on_decide` sees the batch
-        first)."""
-        return run_strategies(out, requests, result, observers)
+        vectorised `decide` per strategy instance on the logits' device (each observer's
+        `on_decide` sees the batch first), then one copy of them all to the host (`transfer`
+        counts it)."""
+        return run_strategies(out, requests, result, observers, transfer)
 
 
 def _plan(req: Request) -> StepPlan:

@@ -1,4 +1,4 @@
-"""The `cover-vllm` command line: generate, eval, serve, bench (also `python -m cover_vllm`)."""
+"""The `cover-vllm` command line: generate, eval, serve, bench, lm-eval (`python -m cover_vllm`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import sys
 
 from cover_vllm.config import KV_CACHE_MODES
-from cover_vllm.entrypoints.cli_types import (csv, dtypes, ints, json_obj, positive_int,
+from cover_vllm.entrypoints.cli_types import (csv, dtypes, json_obj, positive_int,
                                               positive_ints)
-from cover_vllm.entrypoints.engine_flags import (MODEL_HELP, add_engine_flags,
-                                                  add_vllm_only_flags, engine_kwargs)
+from cover_vllm.entrypoints.engine_flags import MODEL_HELP, add_engine_flags
+from cover_vllm.entrypoints.generate_cli import add_generate_parser
 
 
 def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -20,32 +20,6 @@ def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
     if bad:
         raise ValueError(f"kv_cache={bad[0]!r}; choose one of {list(KV_CACHE_MODES)}")
     return args.kv_cache, tuple(parse_cache_refresh(p).label for p in args.cache_refresh)
-
-
-def cmd_generate(args: argparse.Namespace) -> None:
-    from cover_vllm import LLM, SamplingParams
-
-    llm = LLM(args.model, **engine_kwargs(args))
-    max_tokens = args.max_tokens or llm.get_default_sampling_params().max_tokens
-    sp = SamplingParams(max_tokens=max_tokens, block_length=args.block_length,
-                        steps=args.steps, temperature=args.temperature,
-                        decoding_params=args.decoding_params)
-    if args.prompt_token_ids is not None:
-        if args.chat:
-            raise ValueError("--chat needs a text --prompt, not --prompt-token-ids")
-        out = llm.generate({"prompt_token_ids": list(args.prompt_token_ids)}, sp,
-                           use_tqdm=False)[0]
-    elif args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)[0]
-    else:
-        out = llm.generate([args.prompt], sp, use_tqdm=False)[0]
-    completion = out.outputs[0]
-    print(completion.text if llm.tokenizer is not None else
-          " ".join(str(t) for t in completion.token_ids))
-    m = out.metrics
-    print(f"[{completion.finish_reason}] nfe={m.nfe} steps={m.steps} "
-          f"tokens/step={m.tokens_per_step:.2f} remasks={m.remasks} latency={m.latency_s:.3f}s",
-          file=sys.stderr)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -104,7 +78,8 @@ def _bench_spec(args: argparse.Namespace):
                           reference_prompts=getattr(args, "reference_prompts", 0),
                           decoding_params=tuple(params.items()),
                           repeats=getattr(args, "timed_runs", 1),
-                          quantization=args.quantization)
+                          quantization=args.quantization, device=args.device,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -209,9 +184,11 @@ def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> N
         p.add_argument("--dtype", type=dtypes, default=("auto",),
                        help="weights and activations, comma-separated to compare (auto: the "
                        "checkpoint's torch_dtype); MFU is against the peak GEMM rate in each")
-        add_engine_flags(p, ["num_threads", "seed", "quantization"])
+        add_engine_flags(p, ["num_threads", "seed", "quantization", "device",
+                             "kv_cache_memory_bytes"])
     else:
-        add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization"])
+        add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization", "device",
+                             "kv_cache_memory_bytes"])
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -237,26 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cover-vllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate once from a prompt")
-    g.add_argument("model", help=MODEL_HELP)
-    prompt = g.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-token-ids", type=ints, default=None,
-                        help="prompt as comma-separated token ids (e.g. 5,6,7)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--decoding-params", type=json_obj, default=None,
-                   help='the strategy\'s knobs as JSON, e.g. {"threshold": 0.8}')
-    add_engine_flags(g)
-    g.add_argument("--max-tokens", type=positive_int, default=None,
-                   help="generation slots (default: the checkpoint's generation_config.json "
-                        "max_new_tokens, else 64)")
-    g.add_argument("--block-length", type=positive_int, default=None,
-                   help="tokens per block (default: the model's)")
-    g.add_argument("--steps", type=positive_int, default=None,
-                   help="denoising steps of fixed-schedule strategies (default: theirs)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    add_vllm_only_flags(g)
-    g.set_defaults(func=cmd_generate)
+    add_generate_parser(sub)
 
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the "
                        "official layout (config.json, index, <= 5 GB shards)")
@@ -341,14 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--dump-logits", default=None, help="save the first forward's logits here")
     sc.add_argument("--json", default=None, help="write the report here")
     sc.set_defaults(func=cmd_bench_scale)
+    from cover_vllm.entrypoints.scoring_cli import add_scoring_parsers
     from cover_vllm.entrypoints.serve_cli import add_serve_parsers
 
     add_serve_parsers(sub, b)
+    add_scoring_parsers(sub, b)
     _help_everywhere(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:          # lm-eval's own command line, our model registered
+        from cover_vllm.entrypoints.scoring_cli import run_lm_eval
+
+        return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -56,6 +56,16 @@ class ParallelPlan:
     # v rows): rank r keeps its 1/N of every piece, so each keeps its own heads of q, k and v
     reduce_output: bool = False           # all-reduce the module's output (a sparse MoE block)
     local_dims: bool = False              # the module's `.dims` become the rank's head counts
+    heads: dict[str, int] = field(default_factory=dict)
+    # column Linears holding this many (query) heads side by side: the ranks must split them
+    # into whole heads
+    kv_heads: dict[str, int] = field(default_factory=dict)
+    # column Linears holding this many kv heads: split into whole heads when the ranks divide
+    # them; with fewer heads than ranks (a divisor of the ranks) each rank keeps a copy of the
+    # one head its query heads read (a replicated kv head: DiffusionGemma's single one at TP=2)
+    param_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # the module's own parameters (not Linears), name -> (dim, pieces): rank r keeps its 1/N of
+    # every piece along `dim` (stacked MoE experts [E, 2M, H] / [E, H, M] split like an MLP)
 
 
 class DiffusionLM(Protocol):

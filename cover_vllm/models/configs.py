@@ -151,6 +151,42 @@ SDAR_1_7B: dict[str, Any] = {
 }
 
 
+# google/diffusiongemma-26B-A4B-it (June 2026), in the released config.json form (transformers
+# 5.8.0.dev0: `global_head_dim` / `num_global_key_value_heads`, no `per_layer_config`). Sources:
+# * ../shared/golden/README.md "DiffusionGemma" (structure kept from the 26B-A4B config): hidden
+#   2816, 30 layers = 5 x [5 sliding + 1 full], 16 heads, 8 kv heads x head_dim 256 on sliding
+#   layers, 2 kv heads x 512 on full layers (k_eq_v), dense MLP 2112 and 128 experts top-8 x 704
+#   in every layer, window 1024, vocab 262144, canvas 256, final softcap 30; RoPE sliding default
+#   theta 1e4, full proportional 0.25 theta 1e6; use_bidirectional_attention "vision"; ids pad 0,
+#   EOS 1 and 106, bos 2; rms_norm_eps 1e-6, gelu_pytorch_tanh, tied embeddings, bf16.
+# * The published config.json of google/diffusiongemma-26B-A4B-it as mirrored in public
+#   repositories' test fixtures (found through the search tools; the same numbers) and the
+#   text_config of google/gemma-4-26B-A4B-it, its backbone: max_position_embeddings 262144.
+# Text weights: 25.3 B parameters (50.6 GB in bf16); the vision tower (~0.55 B, not loaded
+# here) is left out of `vision_config`, which this engine never reads.
+DIFFUSION_GEMMA_26B_A4B: dict[str, Any] = {
+    "model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"],
+    "canvas_length": 256, "dtype": "bfloat16", "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
+    "text_config": {
+        "model_type": "diffusion_gemma_text", "hidden_size": 2816, "intermediate_size": 2112,
+        "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 2,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        "sliding_window": 1024, "num_experts": 128, "top_k_experts": 8,
+        "moe_intermediate_size": 704, "vocab_size": 262144, "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                               "partial_rotary_factor": 0.25}},
+        "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True,
+        "use_bidirectional_attention": "vision", "bos_token_id": 2, "eos_token_id": [1, 106],
+        "pad_token_id": 0,
+    },
+}
+
+
 def __getattr__(name: str) -> Any:
     """`DUMMY_CONFIGS`: every built-in shape by name, from the registry (one source of truth)."""
     if name == "DUMMY_CONFIGS":

@@ -213,8 +213,11 @@ def fuse_projections(model: nn.Module, copy: bool = True) -> None:
 
 
 def pack_projections(model: nn.Module) -> int:
-    """Pack every fused group for oneDNN (`FusedLinears.pack`); returns how many were packed."""
-    return sum(group.pack() for group in projection_groups(model))
+    """Pack every fused group for oneDNN (`FusedLinears.pack`), and every module's own
+    quantized stacked weights (`pack_stacked`: MoE experts); returns how many were packed."""
+    stacked = [m.pack_stacked() for m in model.modules()
+               if callable(getattr(m, "pack_stacked", None))]
+    return sum(group.pack() for group in projection_groups(model)) + sum(stacked)
 
 
 class SwiGLU(nn.Module):

@@ -102,6 +102,10 @@ def _check_names(model: nn.Module, source: WeightSource) -> None:
     names = source.names()
     if names is None:
         return
+    spec = getattr(model, "spec", None)
+    if spec is not None:                  # tensors the family never loads (a vision tower)
+        family = family_named(spec.family)
+        names = {n for n in names if not family.ignores(n)}
     params = dict(model.named_parameters())
     extra = sorted(names - set(params))
     if extra:
@@ -120,7 +124,8 @@ def load_into(model: nn.Module, source: WeightSource,
               slices: dict[str, Slice] | None = None) -> None:
     """Fill every parameter of a materialized `model` from `source`, in place; a parameter named
     in `slices` is a tensor-parallel shard and gets only its slice. ValueError names the tensor
-    on a missing, unexpected or wrongly shaped tensor."""
+    on a missing, unexpected or wrongly shaped tensor. Parameters on the "meta" device (a
+    shapes-only engine) are checked and left without values."""
     _check_names(model, source)
     slices = slices or {}
     for name, param in model.named_parameters():
@@ -129,6 +134,8 @@ def load_into(model: nn.Module, source: WeightSource,
         got = source.shape(name)
         if got is not None and tuple(got) != want:
             raise ValueError(f"{name}: checkpoint shape {tuple(got)} != model shape {want}")
+        if param.device.type == "meta":
+            continue                  # a shapes-only model: checked above, nothing to read
         if sl is not None and sl.zero:
             param.zero_()
         else:

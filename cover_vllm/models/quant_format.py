@@ -6,7 +6,7 @@ w8a8_kernels.py run the matmuls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ class QuantConfig:
     embedding: bool | None = None           # the input embedding table in 12 bits a value
                                             # (`quantize_embedding_rows`); None: w8a8 does,
                                             # int8 / int4 do not
+    explicit_group: bool = field(default=False, compare=False)   # "int4:G" given: a family's
+                                            # own int4 group (registry `int4_group`) does not apply
 
     @property
     def quantizes_embedding(self) -> bool:
@@ -84,7 +86,7 @@ def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
         if not group:
             return QuantConfig("int4")
         if group.isdigit():
-            return QuantConfig("int4", int(group))
+            return QuantConfig("int4", int(group), explicit_group=True)
     raise ValueError(f"quantization={value!r}; choose one of {_ALLOWED}")
 
 

@@ -17,8 +17,15 @@ Scales and zeros are stored in the model dtype (the kernels take them in the act
 dtype); codes are rounded against the stored, already-rounded scale and zero.
 
 Which layers: every nn.Linear in a `FusedLinears` group (models/layers.py): attention q/k/v/o,
-MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through.
-Embeddings, norms and the MoE router (`mlp.gate`, in no group) keep the model dtype. The LM head
+MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through;
+and every module that quantizes its own non-Linear weights (stacked MoE experts,
+models/stacked_experts.py: hooks `check_stacked`, `quantize_stacked`, `stacked_tensors`,
+`load_stacked`, `pack_stacked`). "int4" without a G takes the family's group when its registry
+entry declares one (`int4_group`: DiffusionGemma's widths are multiples of 64, not 128).
+Under w8a8 stacked experts stay weight-only int8 (`_stacked_config`: no W8A8 kernel per expert,
+no TP row scales for them), so DiffusionGemma's experts run int8 and its other projections W8A8.
+Embeddings (but w8a8's untied input table), norms and the MoE router (`mlp.gate`, in no group)
+keep the model dtype. The LM head
 is quantized by default (`QuantConfig.lm_head`): at LLaDA-8B's shape it is 6.5 % of the weights,
 and leaving it in bf16 would put the int8 model over 0.55 x the bf16 peak (docs/benchmarks.md
 "Quantized weights" has the measurement).
@@ -37,6 +44,7 @@ quantized bytes plus one chunk (LOAD_CHUNK_BYTES), never a whole bf16 tensor.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -49,8 +57,9 @@ from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, embed
                                             quantize_embedding_rows, quantize_rows,
                                             reference_linear)
 from cover_vllm.models.quant_kernels import QuantizedGroup
-from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
+from cover_vllm.models.registry import family_named
 from cover_vllm.models.safetensors_io import Slice
+from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
 
 __all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
            "check_quantization", "quantized_tensors", "kernel_extra_bytes", "reference_linear"]
@@ -74,28 +83,58 @@ def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, linear in quantized_linears(model):
         for buf in linear_buffers(linear).values():
             yield f"{name}.weight", buf
+    for prefix, module in _stacked(model):
+        for name, buf in module.stacked_tensors():
+            yield f"{prefix}.{name}", buf
+
+
+def _stacked(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that quantizes its own (non-Linear) weights."""
+    return [(n, m) for n, m in model.named_modules()
+            if callable(getattr(m, "quantize_stacked", None))]
+
+
+def _stacked_config(config: QuantConfig) -> QuantConfig:
+    """The format of stacked experts: w8a8 keeps them weight-only int8 (module doc)."""
+    return replace(config, method="int8") if config.method == "w8a8" else config
+
+
+def for_model(model: nn.Module, config: QuantConfig | str | None) -> QuantConfig | None:
+    """`config` as `model` applies it: "int4" without a G takes the family's `int4_group`."""
+    config = parse_quantization(config)
+    spec = getattr(model, "spec", None)
+    if config is None or config.method != "int4" or config.explicit_group or spec is None:
+        return config
+    group = family_named(spec.family).int4_group
+    return config if group is None else replace(config, group_size=group)
 
 
 def kernel_extra_bytes(model: nn.Module, device: str = "cpu",
-                       slices: dict[str, Slice] | None = None, world_size: int = 1) -> int:
+                       slices: dict[str, Slice] | None = None) -> int:
     """Bytes one rank's kernels keep beyond the buffers `quantized_tensors` counts: a W8A8
     group's kernel replaces its int8 codes and model-dtype scales by its own copy (oneDNN's
     padded blocks and compensation on CPU, w8a8_kernels.resident_bytes) and fp32 scales.
-    `slices` (tensor_parallel.param_slices) and `world_size` give a rank's shard shapes."""
+    `slices` (tensor_parallel.param_slices of rank 0) give a rank's shard shapes: each Linear's
+    rows (a column split, 1/N or a copied kv head) or the group's input columns (row split)."""
     groups = [g for g in projection_groups(model)
               if g.quant is not None and g.quant.config.method == "w8a8"]
     if not groups:
         return 0
     names = {id(linear): prefix for prefix, linear in quantized_linears(model)}
     layout = onednn_layout() if str(device).startswith("cpu") else None
+    slices = slices or {}
     extra = 0
     for group in groups:
-        first = group.linears[0]
-        n, k = sum(lin.out_features for lin in group.linears), first.in_features
-        sl = (slices or {}).get(f"{names[id(first)]}.weight")
-        if sl is not None:
-            n, k = (n // world_size, k) if sl.dim == 0 else (n, k // world_size)
-        scale_bytes = linear_buffers(first)["weight_scale"].element_size()
+        n, k = 0, group.linears[0].in_features
+        for lin in group.linears:
+            sl = slices.get(f"{names[id(lin)]}.weight")
+            rows = lin.out_features
+            if sl is not None and sl.dim == 0:
+                rows = rows * sl.size // sl.full
+            elif sl is not None:
+                k = lin.in_features * sl.size // sl.full
+            n += rows
+        scale_bytes = linear_buffers(group.linears[0])["weight_scale"].element_size()
         extra += resident_bytes(n, k, device, layout) - n * (k + scale_bytes)
     return extra
 
@@ -109,8 +148,11 @@ def check_quantization(model: nn.Module, config: QuantConfig | None,
                        world_size: int = 1) -> None:
     """ValueError unless every Linear to quantize has an int4 group-aligned input width, on
     every rank (a row-parallel Linear's `parallel_plan()` splits its input over `world_size`)."""
+    config = for_model(model, config)
     if config is None or config.method != "int4":
         return
+    for _, module in _stacked(model):
+        module.check_stacked(config, world_size)
     row_split: set[int] = set()
     for module in model.modules():
         declare = getattr(module, "parallel_plan", None)
@@ -158,11 +200,12 @@ def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
     instead of its weight; w8a8 also stores the input embedding in 12 bits a value
     (`_selected_embeddings`, looked up by `embedding_lookup`). Returns how many modules were
     converted (0 for None)."""
-    config = parse_quantization(config)
+    config = for_model(model, config)
     if config is None:
         return 0
     check_quantization(model, config)
-    count = 0
+    stacked = _stacked_config(config)
+    count = sum(module.quantize_stacked(stacked) for _, module in _stacked(model))
     for group in _selected_groups(model, config):
         for lin in group.linears:
             _quantize_weight(lin, functools.partial(config.storage, lin.out_features,
@@ -278,6 +321,9 @@ def load_quantized(model: nn.Module, source, slices: dict[str, Slice] | None = N
             claimed.add(name)
         if pack:
             group.pack()
+    for prefix, module in _stacked(model):
+        if module.quant_config is not None:
+            claimed |= module.load_stacked(source, prefix, slices)
     for prefix, module in quantized_linears(model):       # w8a8's embedding: replicated
         if isinstance(module, nn.Embedding):
             _load_linear(module, source, f"{prefix}.weight", None)

@@ -4,7 +4,10 @@ A `Family` declares the config.json `model_type` values it serves, its model cla
 when a model is built), the `architectures` name `make-checkpoint` writes, the logit shift, the
 attention kind (a function of config.json), the default block length, the decoder quirks the
 strategies read from `ModelSpec`, the checkpoint tensors that hold several pieces side by side,
-and the built-in shapes (`load_format="dummy"`, `make-checkpoint --shape`).
+the built-in shapes (`load_format="dummy"`, `make-checkpoint --shape`), and for families
+whose checkpoints are not a flat masked-diffusion LM: how config.json is read (a multimodal
+wrapper's `text_config`), whether there is a [MASK] token at all (uniform-state diffusion has
+none), which checkpoint tensors are never loaded (a vision tower), and int4's default group.
 
 Adding a family is its model file (a `DiffusionLM`, models/base.py, whose Linear-owning modules
 declare `parallel_plan()`) plus one entry in `FAMILIES`; `ModelSpec.from_config`
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cover_vllm.models import configs
+from cover_vllm.models.gemma4_config import flatten_config
 from cover_vllm.models.spec import AttentionKind
 
 Config = dict[str, Any]
@@ -54,6 +58,10 @@ def no_fused_tensors(config: Config) -> dict[str, tuple[int, ...]]:
     return {}
 
 
+def as_is(config: Config) -> Config:
+    return config
+
+
 def llada2_fused_tensors(config: Config) -> dict[str, tuple[int, ...]]:
     """LLaDA2's fused QKV: rows [q of H heads | k of KV heads | v of KV heads] x head_dim."""
     heads = config["num_attention_heads"]
@@ -79,6 +87,15 @@ class Family:
     # checkpoint tensor-name pattern (fnmatch) -> row sizes of its pieces, for tensor
     # parallelism and quantization: such a tensor is several projections side by side
     shapes: dict[str, Config] = field(default_factory=dict)    # built-in name -> config.json
+    flat_config: Callable[[Config], Config] = as_is
+    # config.json -> the flat dict ModelSpec and the model read (DiffusionGemma nests its text
+    # model's keys under `text_config`)
+    mask_token: bool = True                # False: uniform-state diffusion, no [MASK] token
+                                           # (ModelSpec.mask_token_id is None)
+    ignored_tensors: tuple[str, ...] = ()  # checkpoint tensor-name patterns (fnmatch) never
+                                           # loaded nor built (a text-only model's vision tower)
+    int4_group: int | None = None          # `quantization="int4"`'s group for this family
+                                           # (None: models/quant_format.py's default)
 
     def model_cls(self) -> type:
         module, cls = self.model_class
@@ -91,6 +108,10 @@ class Family:
         if explicit is not None:
             return int(explicit)
         return attention.block_size if attention.is_block_causal else self.default_block_length
+
+    def ignores(self, tensor: str) -> bool:
+        """Whether checkpoint tensor `tensor` is one the family never loads."""
+        return any(fnmatch.fnmatchcase(tensor, p) for p in self.ignored_tensors)
 
     def fused_pieces(self, tensor: str, config: Config) -> tuple[int, ...] | None:
         """Row sizes of the pieces of checkpoint tensor `tensor`, or None if it is not fused."""
@@ -122,6 +143,16 @@ FAMILIES: tuple[Family, ...] = (
            "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
            fused_tensors=llada2_fused_tensors,
            shapes={"llada2-mini": configs.LLADA2_MINI, "llada2.1-mini": configs.LLADA2_MINI}),
+    # uniform-state canvases (no [MASK]); the canvas (`canvas_length`) is its block; text only:
+    # the vision tower is never loaded; int4 groups of 64: Gemma 4's widths 704 and 2112 are
+    # multiples of 64, not of 128
+    Family("diffusion_gemma", ("diffusion_gemma",),
+           ("cover_vllm.models.diffusion_gemma", "DiffusionGemmaForBlockDiffusion"),
+           "DiffusionGemmaForBlockDiffusion", default_block_length=256,
+           flat_config=flatten_config, mask_token=False,
+           ignored_tensors=("model.encoder.vision_tower.*", "model.encoder.embed_vision.*"),
+           int4_group=64,
+           shapes={"diffusion-gemma-26b-a4b": configs.DIFFUSION_GEMMA_26B_A4B}),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -45,7 +45,7 @@ class ModelSpec:
 
     family: str                      # registry name: "llada" | "dream" | "llada_moe" | ...
     vocab_size: int                  # rows of the output head
-    mask_token_id: int
+    mask_token_id: int | None        # None: uniform-state diffusion (DiffusionGemma) has none
     eos_token_ids: tuple[int, ...]   # any of these ends generation (EOS and end-of-turn)
     pad_token_id: int
     logit_shift: int                 # 0: position j predicted by row j; 1: by row j-1 (Dream)
@@ -70,7 +70,8 @@ class ModelSpec:
         from cover_vllm.models.registry import family_for_config
 
         family = family_for_config(config)
-        if "mask_token_id" not in config:
+        config = family.flat_config(config)
+        if family.mask_token and "mask_token_id" not in config:
             raise ValueError("config.json has no 'mask_token_id'; a masked diffusion LM needs one")
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -85,7 +86,7 @@ class ModelSpec:
         return cls(
             family=family.name,
             vocab_size=int(vocab),
-            mask_token_id=int(config["mask_token_id"]),
+            mask_token_id=int(config["mask_token_id"]) if family.mask_token else None,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=int(pad if pad is not None else (eos_ids[0] if eos_ids else 0)),
             logit_shift=family.logit_shift,

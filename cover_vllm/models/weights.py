@@ -92,9 +92,14 @@ def _chunk_seed(seed: int, name: str, chunk: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode()) * 7_919 + chunk) % (1 << 63)
 
 
+ONES_SUFFIXES = ("weight", "scale", "scalar")    # 1-D multipliers: norm weights, router and
+                                                # expert scales, layer scalars (DiffusionGemma)
+
+
 class DummyWeights:
-    """Random weights for any shape: N(0, std) matrices, ones for 1-D `*.weight` tensors (norm
-    scales), zeros for other 1-D tensors (biases, the MoE expert bias)."""
+    """Random weights for any shape: N(0, std) matrices, ones for 1-D multipliers (names ending
+    in `weight`, `scale` or `scalar`: norm weights, router scales, layer scalars), zeros for
+    other 1-D tensors (biases, the MoE expert bias)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0, std: float = 0.02):
         self._shapes, self.seed, self.std = shapes, seed, std
@@ -111,7 +116,7 @@ class DummyWeights:
         = (lo, hi) only the pieces that overlap those rows are generated."""
         shape = self._shapes[name]
         if len(shape) <= 1:                  # 1-D weights are norm scales (LLaDA's `ln_f` too)
-            value = 1.0 if name.endswith(".weight") else 0.0
+            value = 1.0 if name.endswith(ONES_SUFFIXES) else 0.0
             yield 0, torch.full(shape, value, dtype=dtype)
             return
         per_row = max(1, DUMMY_CHUNK_ELEMS // max(1, numel(shape[1:])))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cover_vllm.scoring.items import ScoreItem
 from cover_vllm.step_plan import EmbedEdit, ExtraRows
 
 
@@ -72,10 +73,13 @@ class WorkItem:
 class SchedulerOutput:
     items: list[WorkItem]
     num_waiting: int = 0
+    # likelihood scoring: forward-only sequences run in the same forward (cover_vllm/scoring/)
+    score_items: list[ScoreItem] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(item.window_len * len(item.canvases) + item.num_extra for item in self.items)
+        return sum(item.window_len * len(item.canvases) + item.num_extra for item in self.items) \
+            + sum(item.num_query_tokens for item in self.score_items)
 
 
 __all__ = ["CanvasInput", "EmbedEdit", "ExtraRows", "SchedulerOutput", "WorkItem"]

@@ -22,6 +22,7 @@ from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
 from cover_vllm.scheduler.request import PageSet, Request, RequestStatus
+from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
 
@@ -32,6 +33,8 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # likelihood scoring: admitted after the generation requests, packed beside them
+        self.scoring = ScoreQueue(config, pool, prefix_caching)
 
     # ---- admission -------------------------------------------------------------------------
     def pages_needed(self, req: Request) -> int:
@@ -119,12 +122,15 @@ class Scheduler:
         """Admit waiting requests while pages allow (FCFS); the running requests, each due one
         work item this step."""
         self._admit()
+        self.scoring.admit(len(self.running))
         return list(self.running)
 
     def pack(self, requests: list[Request], plans: list[StepPlan]) -> SchedulerOutput:
-        """One work item per request (from `admit`) and its strategy's plan."""
+        """One work item per request (from `admit`) and its strategy's plan, and the running
+        scoring requests' items."""
         return SchedulerOutput([self._work_item(r, p) for r, p in zip(requests, plans)],
-                               len(self.waiting))
+                               len(self.waiting) + len(self.scoring.waiting),
+                               score_items=self.scoring.schedule())
 
     def _window(self, req: Request, refresh: bool, view_start: int) -> tuple[int, int]:
         if refresh:

@@ -8,8 +8,8 @@ import types
 import typing
 from typing import Any
 
-from cover_vllm.strategies.base import (BlockState, Decision, StepBatch, Strategy,
-                                        StrategyParams)
+from cover_vllm.strategies.base import (BlockState, CanvasRows, Decision, StepBatch, Strategy,
+                                        StrategyParams, decide_now)
 
 # name -> (module, class); imported on first use.
 STRATEGIES = {
@@ -82,5 +82,5 @@ def _check_type(what: str, value: Any, hint: Any, strategy: str) -> None:
                      f"{type(value).__name__} {value!r}")
 
 
-__all__ = ["BlockState", "Decision", "STRATEGIES", "StepBatch", "Strategy", "StrategyParams",
-           "make_params", "strategy_class"]
+__all__ = ["BlockState", "CanvasRows", "Decision", "STRATEGIES", "StepBatch", "Strategy",
+           "StrategyParams", "decide_now", "make_params", "strategy_class"]

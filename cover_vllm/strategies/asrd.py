@@ -42,7 +42,7 @@ import torch
 from cover_vllm.step_plan import EmbedEdit
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import topk_mask
+from cover_vllm.strategies.sampling import on_device, topk_mask
 
 NEG_INF = float("-inf")
 
@@ -140,33 +140,36 @@ class ASRD(Strategy):
         if p.max_draft is not None:
             draft &= topk_mask(cand_p, torch.full((cand_p.shape[0],), p.max_draft))
         own = probs.gather(-1, batch.tokens.clamp(max=probs.shape[-1] - 1)[..., None])[..., 0]
-        perturbed = self._perturbed(batch)
+        perturbed = on_device(self._perturbed(batch), own)
         fails = perturbed & ((arg != batch.tokens) | (own < p.verify_threshold))
         allowed = (draft.sum(-1) - 1).clamp(min=0)                           # progress guard
         remask = topk_mask((-own).masked_fill(~fails, NEG_INF), allowed)
         keep = perturbed & ~remask
-        self._update(batch, draft, draft_tokens, remask, (arg, ent, cand_p, own))
         return Decision(commit=draft, tokens=draft_tokens, remask=remask,
-                        keeps=keep.sum(-1), verified=perturbed.sum(-1))
+                        keeps=keep.sum(-1), verified=perturbed.sum(-1),
+                        state={"arg": arg, "ent": ent, "cand_p": cand_p, "own": own})
 
     @staticmethod
     def _perturbed(batch: StepBatch) -> torch.Tensor:
-        """[n, W] bool: view columns perturbed in this forward (from `embed_edits`)."""
-        out = torch.zeros_like(batch.valid)
-        first = batch.in_block.long().argmax(-1)
+        """[n, W] bool (host): view columns perturbed in this forward (from `embed_edits`)."""
+        host = batch.host
+        out = torch.zeros_like(host.valid)
+        first = host.in_block.long().argmax(-1)
         for i, st in enumerate(batch.states):
             pick = st.extra.pop("perturbed", None)
             if pick is not None and pick.numel():
                 out[i, first[i] + pick] = True
-        return out & batch.in_block & ~batch.masked
+        return out & host.in_block & ~host.masked
 
-    def _update(self, batch: StepBatch, draft, draft_tokens, remask, views) -> None:
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Advance the per-slot memory of every request's block (block-relative [B] tensors)."""
         p = self.params
-        arg, ent, cand_p, own = views
-        blk = batch.in_block & batch.valid
-        committed = (~batch.masked | draft) & ~remask & blk
-        token = torch.where(draft, draft_tokens, batch.tokens)
+        arg, ent, cand_p, own = (decision.state[k] for k in ("arg", "ent", "cand_p", "own"))
+        draft, draft_tokens, remask = decision.commit, decision.tokens, decision.remask
+        host = batch.host
+        blk = host.in_block & host.valid
+        committed = (~host.masked | draft) & ~remask & blk
+        token = torch.where(draft, draft_tokens, host.tokens)
         p_tok = torch.where(draft, cand_p, own)
         for i, st in enumerate(batch.states):
             b = blk[i]

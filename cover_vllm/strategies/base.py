@@ -5,10 +5,18 @@ engine's strategy stage (engine/strategy_stage.py) asks it what the next forward
 its decision, and the request applies that decision. Each step it gets a `StepBatch` for all its
 requests at once: the logits of the positions in each request's *view* (by default the current
 block), already taken from each position's predictor row (so Dream's shift is invisible here),
-plus the canvas tokens there. It returns a `Decision`: which positions to commit (with which
-token), remask or replace. The one thing it writes is its own per-request state
-(`BlockState.extra` / `memory`), created in `start_block` and advanced in `decide`; the other
-hooks read it (ASRD's `embed_edits` still records the slots it perturbed there).
+plus the canvas tokens there.
+
+Where things live. The logits stay on the model's device, and `decide` is tensor code on that
+device: it never reads a device value back (no `.item()`, `.tolist()`, `.numpy()`, boolean
+indexing or `bool()` of a device tensor), so a GPU never waits for the host inside it. What the
+host knows anyway travels the other way: the canvas (`StepBatch.host`), the sampling knobs and
+each request's `BlockState` are host objects a decision may read, and per-request counts made
+from them are uploaded (`on_device`). `decide` returns a `Decision` of device tensors; the engine
+brings the decisions of every strategy of the step to the host in one copy, then calls each
+strategy's `absorb` with its decision there, where it advances the per-request state its host
+hooks (`select_seeds`, `block_done`, `embed_edits`) read; `Decision.state` carries the extra
+O(rows) values `absorb` needs. `decide_now` runs the three parts for one strategy (tests).
 """
 
 from __future__ import annotations
@@ -45,26 +53,15 @@ class BlockState:
 
 
 @dataclass
-class StepBatch:
-    """Inputs of one decision for n requests; W = widest view, padded (see `valid`)."""
+class CanvasRows:
+    """The canvas side of a StepBatch, [n, W] tensors on one device (padded: see `valid`)."""
 
-    logits: torch.Tensor        # [n, W, V] float32, row i predicts view position i
     tokens: torch.Tensor        # [n, W] current canvas tokens
     valid: torch.Tensor         # [n, W] bool, False on padding
     in_block: torch.Tensor      # [n, W] bool, view position inside the current block
     is_gen: torch.Tensor        # [n, W] bool, view position is a generation slot (not prompt)
-    states: list[BlockState]
-    temperature: torch.Tensor   # [n] float
-    top_p: torch.Tensor         # [n] float
-    top_k: torch.Tensor         # [n] long (-1 = off)
-    generators: list[torch.Generator]
+    seeds: torch.Tensor | None  # [n, W] bool: verified this step (masked in the input)
     mask_id: int
-    seeds: torch.Tensor | None = None      # [n, W] bool: verified this step (masked in the input)
-    drift: torch.Tensor | None = None      # [n, W] relative K change at write-back (stats layer)
-    attn_in: torch.Tensor | None = None    # [n, W] attention mass from masked rows (stats layer)
-    extra_logits: torch.Tensor | None = None   # [n, E, V] float32 logits of the extra rows the
-                                               # strategy asked for (`extra_rows`), raw row order
-    extra_valid: torch.Tensor | None = None    # [n, E] bool, False on padding / no extra rows
 
     @property
     def masked(self) -> torch.Tensor:
@@ -75,6 +72,66 @@ class StepBatch:
     def candidates(self) -> torch.Tensor:
         """[n, W] bool: masked positions of the current block (what may be committed)."""
         return self.masked & self.in_block
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each request's view width (host tensors only)."""
+        return self.valid.sum(-1).tolist()
+
+
+@dataclass
+class StepBatch:
+    """Inputs of one decision for n requests; W = widest view, padded (see `valid`).
+
+    The [n, W] / [n, W, V] tensors live on the logits' device; `host` holds the same canvas rows
+    on the host, and the sampling knobs, states and generators are host objects (module doc)."""
+
+    logits: torch.Tensor        # [n, W, V] float32, row i predicts view position i
+    tokens: torch.Tensor        # [n, W] current canvas tokens
+    valid: torch.Tensor         # [n, W] bool, False on padding
+    in_block: torch.Tensor      # [n, W] bool, view position inside the current block
+    is_gen: torch.Tensor        # [n, W] bool, view position is a generation slot (not prompt)
+    states: list[BlockState]
+    temperature: torch.Tensor   # [n] float (host)
+    top_p: torch.Tensor         # [n] float (host)
+    top_k: torch.Tensor         # [n] long, -1 = off (host)
+    generators: list[torch.Generator | None]   # each request's own, on the logits' device
+                                               # (None on the shapes-only "meta" device)
+    mask_id: int
+    seeds: torch.Tensor | None = None      # [n, W] bool: verified this step (masked in the input)
+    drift: torch.Tensor | None = None      # [n, W] relative K change at write-back (stats layer)
+    attn_in: torch.Tensor | None = None    # [n, W] attention mass from masked rows (stats layer)
+    extra_logits: torch.Tensor | None = None   # [n, E, V] float32 logits of the extra rows the
+                                               # strategy asked for (`extra_rows`), raw row order
+    extra_valid: torch.Tensor | None = None    # [n, E] bool, False on padding / no extra rows
+    host_rows: CanvasRows | None = None    # the canvas rows on the host (None: the fields above
+                                           # are host tensors already, e.g. a CPU engine)
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    @property
+    def rows(self) -> CanvasRows:
+        """The canvas rows on the logits' device."""
+        return CanvasRows(self.tokens, self.valid, self.in_block, self.is_gen, self.seeds,
+                          self.mask_id)
+
+    @property
+    def host(self) -> CanvasRows:
+        """tokens / valid / in_block / is_gen / seeds as host tensors, for per-request counts."""
+        if self.host_rows is not None:
+            return self.host_rows
+        assert self.tokens.device.type == "cpu", "a device batch carries its host rows"
+        return self.rows
+
+    @property
+    def masked(self) -> torch.Tensor:
+        return self.rows.masked
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        return self.rows.candidates
 
 
 @dataclass
@@ -89,6 +146,20 @@ class Decision:
     verified: torch.Tensor | None = None  # [n] long: positions checked this step
     stop: torch.Tensor | None = None      # [n] bool: end the request right after this step
                                           # (finish_reason "stop"; LLaDA2's eos_early_stop)
+    state: dict[str, torch.Tensor] | None = None   # [n, ...] values `absorb` reads on the host
+                                                   # (the strategy's own bookkeeping)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor of the decision, in a fixed order (`from_tensors` inverts it)."""
+        state = self.state or {}
+        return [self.commit, self.tokens, self.remask, self.replace, self.keeps, self.verified,
+                self.stop, *state.values()]
+
+    def from_tensors(self, tensors: list[torch.Tensor | None]) -> "Decision":
+        """A decision like this one holding `tensors` (e.g. their host copies)."""
+        fixed, rest = tensors[:7], tensors[7:]
+        state = None if self.state is None else dict(zip(self.state, rest))
+        return Decision(*fixed, state=state)
 
 
 class Strategy(ABC):
@@ -167,4 +238,18 @@ class Strategy(ABC):
 
     @abstractmethod
     def decide(self, batch: StepBatch) -> Decision:
-        """One vectorised decision for every request of the batch."""
+        """One vectorised decision for every request of the batch, on the logits' device (the
+        module doc says what it may read)."""
+
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
+        """After the step's transfer: advance the host-side state of every request from its
+        `decision` (host tensors; before structured outputs edit it). Default: nothing."""
+
+
+def decide_now(strategy: Strategy, batch: StepBatch) -> Decision:
+    """`decide`, the transfer and `absorb` for one strategy: the host decision (what the engine
+    does for a whole step in engine/decide.py, for tests and tools that drive one strategy)."""
+    decision = strategy.decide(batch)
+    host = decision.from_tensors([None if t is None else t.cpu() for t in decision.tensors()])
+    strategy.absorb(batch, host)
+    return host

@@ -23,7 +23,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import take_rows, topk_mask
+from cover_vllm.strategies.sampling import Rows, topk_mask
 
 
 @dataclass(frozen=True)
@@ -126,60 +126,32 @@ def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.where(span > 0, (x - lo) / np.where(span > 0, span, 1.0), 0.0)
 
 
-def _np(x: torch.Tensor) -> np.ndarray:
-    """Host copy (a view on CPU); strategies run without autograd (engine inference mode)."""
-    return x.numpy() if x.device.type == "cpu" else x.cpu().numpy()
-
-
 @dataclass
 class _Seeds:
-    """The seeds of one step as flat arrays [S] (request-major, positions ascending): where
-    they are, their leave-one-out verdict inputs, and the verdicts `Cover._judge` fills in."""
+    """The seeds of one step as flat host arrays [S] (request-major, positions ascending) with
+    their leave-one-out verdicts, read from a host decision (`Cover.absorb`)."""
 
     req: np.ndarray               # request row
     pos: np.ndarray               # view position
-    token: np.ndarray             # committed token
-    best: np.ndarray              # leave-one-out argmax
-    conf: np.ndarray              # its probability
+    conf: np.ndarray              # probability of the leave-one-out argmax
     own: np.ndarray               # the committed token's leave-one-out probability
-    keep: np.ndarray              # verdicts, bool [S] (all False until judged); a deferred
-    deferred: np.ndarray          # seed keeps its token and counts as unchecked
+    keep: np.ndarray              # verdicts, bool [S]; a deferred seed keeps its token and
+    deferred: np.ndarray          # counts as unchecked
     replace: np.ndarray
     remask: np.ndarray
 
     @classmethod
-    def of(cls, batch: StepBatch, tokens: np.ndarray, probs: torch.Tensor,
-           picked: torch.Tensor) -> "_Seeds":
-        """`probs` [N, V]: the softmax of the view rows marked in `picked` [n, W] (row-major
-        order), every seed's among them."""
-        seeds = np.zeros((0, 0), dtype=bool) if batch.seeds is None else _np(batch.seeds)
+    def of(cls, seeds: np.ndarray, d: Decision) -> "_Seeds":
         req, pos = seeds.nonzero()
-        token = tokens[req, pos]
-        compact = _np(picked).reshape(-1).cumsum() - 1           # view row -> row of `probs`
-        at = compact[req * picked.shape[1] + pos]
-        rows = _np(probs.index_select(0, torch.from_numpy(at)))             # [S, V]
-        best = rows.argmax(-1)
-        at = np.arange(len(req))
-        none = np.zeros(len(req), dtype=bool)
-        return cls(req, pos, token, best, rows[at, best], rows[at, token], none, none, none,
-                   none)
+        at = lambda t: t.numpy()[req, pos]  # noqa: E731
+        return cls(req, pos, at(d.state["conf"]), at(d.state["own"]), at(d.state["keep"]),
+                   at(d.state["deferred"]), at(d.replace), at(d.remask))
 
-    def least_likely(self, mask: np.ndarray, k: np.ndarray) -> np.ndarray:
-        """Within `mask`, the k[request] seeds of each request with the lowest own-token
-        probability (ties: lower position first)."""
-        idx = np.flatnonzero(mask)
-        order = idx[np.lexsort((self.own[idx], self.req[idx]))]
-        group = self.req[order]
-        rank = np.arange(len(order)) - np.searchsorted(group, group)
-        out = np.zeros_like(mask)
-        out[order[rank < k[group]]] = True
-        return out
 
-    def mask(self, m: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-        """The seeds in m as a bool mask shaped and placed like `like` [n, W]."""
-        out = np.zeros(tuple(like.shape), dtype=bool)
-        out[self.req[m], self.pos[m]] = True
-        return torch.from_numpy(out).to(like.device)
+def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
+    probability (ties: lower position first)."""
+    return topk_mask((-own).masked_fill(~mask, float("-inf")), k)
 
 
 class Cover(Strategy):
@@ -233,7 +205,7 @@ class Cover(Strategy):
                      block_start: int) -> list[int]:
         p = self.params
         mem, cover = self._memory(state, block_tokens.numel()), state.extra
-        masked = _np(block_tokens) == self.spec.mask_token_id
+        masked = block_tokens.numpy() == self.spec.mask_token_id
         visible = ~masked & (mem.age >= 1)
         cand = visible
         if p.max_verifications is not None:
@@ -264,71 +236,77 @@ class Cover(Strategy):
     def decide(self, batch: StepBatch) -> Decision:
         p = self.params
         n = batch.tokens.shape[0]
+        seeds = torch.zeros_like(batch.valid) if batch.seeds is None else batch.seeds
+        candidates = batch.candidates
         # the only rows a decision reads: the block's [MASK]s (drafts) and the seeds (checks);
         # a float64 softmax over the whole view's vocabulary cost most of a step's decision
-        rows = batch.candidates if batch.seeds is None else batch.candidates | batch.seeds
+        rows = Rows(candidates | seeds)
         draft_tokens, logits = propose(batch, rows=rows)
-        probs = torch.softmax(take_rows(logits, rows).to(torch.float64), dim=-1)   # [N, V]
-        cand_conf = torch.zeros(rows.shape, dtype=torch.float64)   # = threshold's float64
-        cand_conf[rows] = probs.gather(-1, draft_tokens[rows][:, None])[:, 0]
-        cand_conf = cand_conf.masked_fill(~batch.candidates, float("-inf"))
+        probs = torch.softmax(rows.take(logits).to(torch.float64), dim=-1)     # [N, V]
+        cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
+        cand_conf = cand_conf.masked_fill(~candidates, float("-inf"))   # = threshold's float64
         draft = topk_mask(cand_conf, torch.ones(n, dtype=torch.long))
         draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)
         if p.max_draft is not None:
             draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
-        drafted, tokens = _np(draft.sum(-1)), _np(batch.tokens)
-        seeds = self._judge(_Seeds.of(batch, tokens, probs, rows), drafted)
-        self._update_memory(batch, tokens, draft, cand_conf, drafted, seeds)
-        tokens, replace, remask = draft_tokens, None, None
-        if seeds.replace.any():
-            replace = seeds.mask(seeds.replace, draft)
-            tokens = draft_tokens.clone()
-            tokens[replace] = torch.from_numpy(seeds.best[seeds.replace]).to(tokens.device)
-        if seeds.remask.any():
-            remask = seeds.mask(seeds.remask, draft)
-        counts = np.stack((np.bincount(seeds.req[seeds.keep | seeds.deferred], minlength=n),
-                           np.bincount(seeds.req, minlength=n)))
-        keeps, verified = torch.from_numpy(counts.astype(np.int64))
-        return Decision(commit=draft, tokens=tokens, remask=remask, replace=replace,
-                        keeps=keeps, verified=verified)
+        # each seed's leave-one-out row: its argmax, that one's probability, its own token's
+        checks = Rows(seeds, within=rows)
+        loo = checks.take(probs)                                             # [S, V]
+        best = checks.put(loo.argmax(-1), 0)
+        conf = checks.put(loo.amax(-1), 0.0)
+        own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
+        own = checks.put(loo.gather(-1, own_token[:, None])[:, 0], 0.0)
+        keep, deferred, replace, remask = self._judge(batch, seeds, draft, best, conf, own)
+        state = {"keep": keep, "deferred": deferred, "draft_conf": cand_conf, "conf": conf,
+                 "own": own}
+        for name in ("drift", "attn_in"):           # the memory update reads them (absorb)
+            if getattr(batch, name) is not None:
+                state[name] = getattr(batch, name)
+        return Decision(commit=draft, tokens=torch.where(replace, best, draft_tokens),
+                        remask=remask, replace=replace, keeps=(keep | deferred).sum(-1),
+                        verified=seeds.sum(-1), state=state)
 
-    def _judge(self, seeds: "_Seeds", drafted: np.ndarray) -> "_Seeds":
-        """Keep / Replace / ReMask for every seed of the batch (§1.8), on the seeds' rows only."""
+    def _judge(self, batch: StepBatch, seeds: torch.Tensor, draft: torch.Tensor,
+               best: torch.Tensor, conf: torch.Tensor, own: torch.Tensor):
+        """Keep / defer / Replace / ReMask, [n, W] bool each, for every seed of the batch (§1.8),
+        from its leave-one-out argmax `best`, that one's probability `conf` and its own token's
+        probability `own`."""
         p = self.params
-        agree = seeds.best == seeds.token
-        seeds.keep = agree & (seeds.own >= p.keep_min)
-        revise = ~seeds.keep
-        if not revise.any():
-            return seeds
+        agree = best == batch.tokens
+        keep = seeds & agree & (own >= p.keep_min)
+        revise = seeds & ~keep
+        deferred = torch.zeros_like(revise)
         # Revise at most max_revise seeds per request and step, the least likely own tokens
         # first. Each seed's check assumed every other seed keeps its token, so two revisions in
         # one step can contradict each other (two cells of a row both taking the missing
         # digit); the rest are kept for now and checked again (`deferred`).
         if p.max_revise is not None:
-            first = seeds.least_likely(revise, np.full(len(drafted), p.max_revise))
-            seeds.deferred, revise = revise & ~first, first
+            first = _least_likely(revise, own, torch.full((seeds.shape[0],), p.max_revise))
+            deferred, revise = revise & ~first, first
         # Replace when the check prefers another token by majority (changed in place: no
         # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =
         # 0.5 rather than τ_draft: on cover-tiny the remasks τ_draft left were 3 in 4 flip-flops
         # and replacing them instead cost no accuracy (docs/benchmarks.md).
         tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
-        seeds.replace = revise & ~agree & (seeds.conf >= tau_rep)
-        remask = revise & ~seeds.replace
+        replace = revise & ~agree & (conf >= tau_rep)
+        unsure = revise & ~replace
         # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
         # least likely own tokens first, so a verification-only step (no [MASK] left) never
         # remasks. A seed it holds back keeps its token for now and is checked again.
-        seeds.remask = seeds.least_likely(remask, np.maximum(drafted - 1, 0))
-        seeds.deferred = seeds.deferred | (remask & ~seeds.remask)
-        return seeds
+        remask = _least_likely(unsure, own, (draft.sum(-1) - 1).clamp(min=0))
+        return keep, deferred | (unsure & ~remask), replace, remask
 
-    def _update_memory(self, batch: StepBatch, tokens: np.ndarray, draft: torch.Tensor,
-                       draft_conf: torch.Tensor, drafted: np.ndarray, seeds: "_Seeds"):
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Advance every request's per-position memory (block positions) at once, on an
         [n, rows, W] copy laid over the view. A deferred seed keeps its token but counts as never
         checked, so the block does not end before its check passes."""
         p = self.params
-        n, width = batch.tokens.shape
-        blk, draft = _np(batch.in_block), _np(draft)
+        host, state = batch.host, decision.state
+        n, width = host.tokens.shape
+        tokens, blk, draft = host.tokens.numpy(), host.in_block.numpy(), decision.commit.numpy()
+        seeds = _Seeds.of(np.zeros((n, width), dtype=bool) if host.seeds is None
+                          else host.seeds.numpy(), decision)
+        drafted = draft.sum(-1)
         m = np.zeros((n, len(MEMORY_FIELDS), width))
         mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
         for i, mem in enumerate(mems):
@@ -338,13 +316,14 @@ class Cover(Strategy):
         revised = seeds.replace | seeds.remask
         fresh = draft.copy()                             # positions whose token changed
         fresh[req[revised], pos[revised]] = True
-        visible = _np(batch.valid) & (tokens != batch.mask_id)
+        visible = host.valid.numpy() & (tokens != batch.mask_id)
         visible[req, pos] = False                        # seeds were masked in this forward
-        if batch.drift is not None:
+        if "drift" in state:
             seen = visible & (age >= 1)                  # the cached key was a visible version
-            drift[seen] = p.drift_beta * drift[seen] + (1 - p.drift_beta) * _np(batch.drift)[seen]
-        if batch.attn_in is not None:
-            attn_in[:] = _np(batch.attn_in)
+            drift[seen] = (p.drift_beta * drift[seen]
+                           + (1 - p.drift_beta) * state["drift"].numpy()[seen])
+        if "attn_in" in state:
+            attn_in[:] = state["attn_in"].numpy()
         changed = fresh.sum(-1)                          # [n] positions changed this step
         # stale: something else changed since the last judgement; a kept seed was judged now
         stale[:] = np.where(fresh, changed[:, None] > 1,
@@ -354,7 +333,7 @@ class Cover(Strategy):
         age += visible
         checks[req, pos] += 1
         held = kept | seeds.deferred
-        conf[draft] = _np(draft_conf)[draft]
+        conf[draft] = state["draft_conf"].numpy()[draft]
         conf[req[held], pos[held]] = seeds.own[held]
         conf[req[seeds.replace], pos[seeds.replace]] = seeds.conf[seeds.replace]
         checks[req[seeds.deferred], pos[seeds.deferred]] = 0.0
@@ -363,7 +342,7 @@ class Cover(Strategy):
         num_seeds = np.bincount(req, minlength=n)
         hits = np.bincount(req[revised], minlength=n)
         # [MASK] left in each block once the decision is applied (remasks are block seeds)
-        left = (_np(batch.candidates).sum(-1) - drafted
+        left = (host.candidates.numpy().sum(-1) - drafted
                 + np.bincount(req[seeds.remask & blk[req, pos]], minlength=n))
         for i, (mem, st) in enumerate(zip(mems, batch.states)):
             mem.store(m[i][:, blk[i]])

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
-from cover_vllm.strategies.sampling import filter_top_k_top_p, sample_candidates, topk_mask
+from cover_vllm.strategies.sampling import (filter_top_k_top_p, on_device, sample_candidates,
+                                            topk_mask)
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,11 @@ def reveal_fractions(steps: int, eps: float) -> torch.Tensor:
 
 
 def transfer_count(batch: StepBatch) -> torch.Tensor:
-    """[n] slots to reveal this step: floor(masked · fraction) in float32; past the grid, all."""
+    """[n] slots to reveal this step (host): floor(masked · fraction) in float32; past the
+    grid, all."""
     frac = torch.tensor([st.extra.fraction(st.step) for st in batch.states],
                         dtype=torch.float32)
-    return (batch.candidates.sum(-1).to(torch.float32) * frac).long()
+    return (batch.host.candidates.sum(-1).to(torch.float32) * frac).long()
 
 
 def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +76,11 @@ def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """
     hot = batch.temperature > 0
     scale = torch.where(hot, batch.temperature, 1.0).to(batch.logits.dtype)
-    logits = batch.logits / scale[:, None, None]
+    logits = batch.logits / on_device(scale, batch.logits)[:, None, None]
     logits = filter_top_k_top_p(logits, torch.full_like(batch.top_k, -1), batch.top_p)
     logits = filter_top_k_top_p(logits, batch.top_k, torch.ones_like(batch.top_p))
-    lengths = batch.valid.sum(-1).tolist()
-    tokens = sample_candidates(logits, hot.to(batch.temperature.dtype), batch.generators, lengths)
+    tokens = sample_candidates(logits, hot.to(batch.temperature.dtype), batch.generators,
+                               batch.host.lengths)
     return tokens, torch.softmax(batch.logits, dim=-1)
 
 
@@ -91,10 +93,10 @@ def sample_positions(batch: StepBatch, conf: torch.Tensor, count: torch.Tensor,
     Probabilities that underflow to 0 are raised to the smallest normal float, so drawing k of k
     candidates always succeeds.
     """
-    commit = torch.zeros(conf.shape, dtype=torch.bool)
-    lengths = batch.valid.sum(-1)
+    commit = torch.zeros(conf.shape, dtype=torch.bool, device=conf.device)
+    lengths = batch.host.lengths
     for i in (count > 0).nonzero().flatten().tolist():
-        row = conf[i, : int(lengths[i])]
+        row = conf[i, : lengths[i]]
         probs = torch.softmax(row / alg_temp, dim=-1)
         tiny = torch.finfo(probs.dtype).tiny
         probs = torch.where(torch.isfinite(row), probs.clamp_min(tiny), 0.0)

@@ -20,7 +20,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import linear_schedule, propose_scored, scheduled_count
-from cover_vllm.strategies.sampling import topk_mask
+from cover_vllm.strategies.sampling import on_device, topk_mask
 
 
 def _candidate_confidence(batch: StepBatch,
@@ -55,19 +55,18 @@ class Threshold(Strategy):
             return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
         best = topk_mask(conf, torch.ones(conf.shape[0], dtype=torch.long))
         commit = best | (torch.isfinite(conf) & (conf >= tau))
-        if quota:
-            commit = self._within_quota(batch, conf, commit)
-        return Decision(commit=commit, tokens=tokens)
-
-    @staticmethod
-    def _within_quota(batch: StepBatch, conf: torch.Tensor, commit: torch.Tensor) -> torch.Tensor:
-        """Keep the commits among the top (quota + carry); carry the skipped ones (see above)."""
+        if not quota:
+            return Decision(commit=commit, tokens=tokens)
+        # keep the commits among the top (quota + carry); carry the skipped ones (see above)
         allowed = [st.extra.carry + st.extra.count(st.step, 0) for st in batch.states]
-        top = topk_mask(conf, torch.tensor(allowed, dtype=torch.long))
+        top = topk_mask(conf, on_device(allowed, conf, torch.long))
         commit = commit & top
-        for st, skipped in zip(batch.states, (top & ~commit).sum(-1).tolist()):
-            st.extra.carry = skipped
-        return commit
+        return Decision(commit=commit, tokens=tokens, state={"carry": (top & ~commit).sum(-1)})
+
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
+        if decision.state is not None:
+            for st, skipped in zip(batch.states, decision.state["carry"].tolist()):
+                st.extra.carry = skipped
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class Factor(Strategy):
     def decide(self, batch: StepBatch) -> Decision:
         tokens, conf = _candidate_confidence(batch)
         ordered = conf.sort(dim=-1, descending=True).values                    # [n, W]
-        rank = torch.arange(1, conf.shape[1] + 1, dtype=torch.float64)
+        rank = torch.arange(1, conf.shape[1] + 1, dtype=torch.float64, device=conf.device)
         ok = ((rank + 1) * (1 - ordered) < self.params.factor) & torch.isfinite(ordered)
         count = ok.long().cumprod(dim=-1).sum(-1).clamp(min=1)                 # leading run
         return Decision(commit=topk_mask(conf, count), tokens=tokens)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
-from cover_vllm.strategies.sampling import (filter_top_k_top_p, greedy, gumbel_candidates,
-                                            take_rows, token_prob, topk_mask)
+from cover_vllm.strategies.sampling import (Rows, as_rows, filter_top_k_top_p, greedy,
+                                            gumbel_candidates, on_device, token_prob, topk_mask,
+                                            uniform)
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,14 @@ def linear_schedule(state: BlockState, num_masked: int) -> None:
 
 
 def scheduled_count(batch: StepBatch) -> torch.Tensor:
-    """[n] tokens to reveal this step; past the schedule's end, everything left in the block."""
-    left = batch.candidates.sum(-1)
-    counts = [st.extra.count(st.step, int(n)) for st, n in zip(batch.states, left.tolist())]
+    """[n] tokens to reveal this step (host); past the schedule's end, everything left in the
+    block."""
+    left = batch.host.candidates.sum(-1).tolist()
+    counts = [st.extra.count(st.step, n) for st, n in zip(batch.states, left)]
     return torch.tensor(counts, dtype=torch.long)
 
 
-def propose(batch: StepBatch, rows: torch.Tensor | None = None
+def propose(batch: StepBatch, rows: torch.Tensor | Rows | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens [n, W] (Gumbel-max at T > 0, drawn from the top-k / top-p filtered
     logits) and the model's own logits [n, W, V], which every confidence is read from:
@@ -62,23 +64,23 @@ def propose(batch: StepBatch, rows: torch.Tensor | None = None
     bool) a greedy row's token is taken only there (elsewhere 0: for decoders that read no
     other row)."""
     filtered = filter_top_k_top_p(batch.logits, batch.top_k, batch.top_p)
-    lengths = batch.valid.sum(-1).tolist()
-    tokens = gumbel_candidates(filtered, batch.temperature, batch.generators, lengths, rows)
+    tokens = gumbel_candidates(filtered, batch.temperature, batch.generators,
+                               batch.host.lengths, as_rows(rows))
     return tokens, batch.logits
 
 
-def propose_scored(batch: StepBatch, rows: torch.Tensor,
+def propose_scored(batch: StepBatch, rows: torch.Tensor | Rows,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`propose(batch, rows)`'s tokens and each one's softmax probability in `dtype` on `rows`
     (0 elsewhere): the same values as `token_prob`. When every request decodes greedily and
     untruncated (the common case) both read one compact copy of the rows."""
+    rows = as_rows(rows)
     if bool((batch.temperature > 0).any() or (batch.top_k > 0).any()
             or (batch.top_p < 1.0).any()):
         tokens, logits = propose(batch, rows=rows)
         return tokens, token_prob(logits, tokens, dtype, rows=rows)
-    picked = take_rows(batch.logits, rows)                                   # [N, V]
-    tokens = torch.zeros(rows.shape, dtype=torch.long)
-    tokens[rows] = greedy(picked)
+    picked = rows.take(batch.logits)                                         # [N, V]
+    tokens = rows.put(greedy(picked), 0)
     return tokens, token_prob(batch.logits, tokens, dtype, rows=rows, picked=picked)
 
 
@@ -103,7 +105,8 @@ class LowConfidence(Strategy):
         candidates = batch.candidates
         tokens, conf = self.scored_proposal(batch)
         conf = conf.to(torch.float64).masked_fill(~candidates, float("-inf"))
-        return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
+        return Decision(commit=topk_mask(conf, on_device(scheduled_count(batch), conf)),
+                        tokens=tokens)
 
 
 class RandomRemasking(LowConfidence):
@@ -112,7 +115,7 @@ class RandomRemasking(LowConfidence):
     def scored_proposal(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Uniform draws over each request's own view, so batching never changes the stream."""
         tokens, _ = propose(batch, rows=batch.candidates)
-        conf = torch.zeros(tokens.shape, dtype=torch.float32)
-        for i, (g, n) in enumerate(zip(batch.generators, batch.valid.sum(-1).tolist())):
-            conf[i, :n] = torch.rand(n, generator=g)
+        conf = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        for i, (g, n) in enumerate(zip(batch.generators, batch.host.lengths)):
+            conf[i, :n] = uniform(n, g, conf)
         return tokens, conf

@@ -46,7 +46,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import ScheduleState, propose_scored
-from cover_vllm.strategies.sampling import topk_mask
+from cover_vllm.strategies.sampling import on_device, topk_mask
 
 LLADA2_DEFAULT_STEPS = 32        # `generate(steps=32)` in both LLaDA2 files
 
@@ -76,7 +76,8 @@ def start_schedule(state: BlockState, num_masked: int, steps: int) -> None:
 
 
 def schedule_counts(batch: StepBatch, past_end: torch.Tensor | None = None) -> torch.Tensor:
-    """[n] tokens step `state.step` may reveal; past the schedule 0 (or `past_end` [n])."""
+    """[n] tokens step `state.step` may reveal (host); past the schedule 0 (or `past_end` [n],
+    a host tensor)."""
     ends = [0] * len(batch.states) if past_end is None else past_end.tolist()
     return torch.tensor([st.extra.count(st.step, int(e)) for st, e in zip(batch.states, ends)],
                         dtype=torch.long)
@@ -88,6 +89,7 @@ def threshold_or_top(conf: torch.Tensor, candidates: torch.Tensor, threshold: fl
     qualify (all of them, possibly more than count), else the top min(count, candidates).
     conf [n, W] float32, -inf off the candidates (compared in float32, as the references)."""
     high = candidates & (conf > threshold)
+    count = on_device(count, conf)
     enough = high.sum(-1) >= count                                          # [n]
     return torch.where(enough[:, None], high, topk_mask(conf, count))
 
@@ -98,8 +100,8 @@ def eos_early_stop(batch: StepBatch, commit: torch.Tensor, tokens: torch.Tensor,
     reference's `(cur_x[0, prompt_length:eos_pos] != mask_id).all()`: earlier blocks are full)."""
     after = torch.where(commit, tokens, batch.tokens)                       # [n, W]
     region = batch.in_block & batch.valid
-    is_eos = torch.isin(after, torch.tensor(eos_ids, dtype=after.dtype)) & region
-    pos = torch.arange(after.shape[1])
+    is_eos = torch.isin(after, on_device(eos_ids, after)) & region
+    pos = torch.arange(after.shape[1], device=after.device)
     first = torch.where(is_eos, pos, after.shape[1]).min(-1).values         # [n]
     masked_before = ((after == batch.mask_id) & region & (pos < first[:, None])).any(-1)
     return (commit & is_eos).any(-1) & ~masked_before
@@ -208,12 +210,15 @@ class LLaDA2Edit(Strategy):
         commit = threshold_or_top(conf.masked_fill(~candidates, float("-inf")), candidates,
                                   p.threshold, count)
         replace = filled & (conf > p.editing_threshold) & (tokens != batch.tokens)
+        return Decision(commit=commit, tokens=tokens, replace=replace)
+
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
+        candidates = batch.host.candidates
         started_empty = (~candidates.any(-1)).tolist()
-        edited = replace.any(-1).tolist()
-        left = (candidates.sum(-1) - commit.sum(-1)).tolist()
+        edited = decision.replace.any(-1).tolist()
+        left = (candidates.sum(-1) - decision.commit.sum(-1)).tolist()
         for st, empty, edit, masks in zip(batch.states, started_empty, edited, left):
             self._advance(st.extra, empty and not edit, masks)
-        return Decision(commit=commit, tokens=tokens, replace=replace)
 
     def _advance(self, ex: EditState, settled: bool, masks_left: int) -> None:
         """The reference's loop control after a forward: `break` when it started with no [MASK]

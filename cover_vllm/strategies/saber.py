@@ -49,7 +49,7 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.dream import dream_candidates
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import token_prob, topk_mask
+from cover_vllm.strategies.sampling import on_device, token_prob, topk_mask
 
 NEG_INF = float("-inf")
 
@@ -76,7 +76,8 @@ def _up_to_block_end(batch: StepBatch) -> torch.Tensor:
 
 
 def _recall(batch: StepBatch, key: str, fill: float, initial: float | None = None) -> torch.Tensor:
-    """[n, W] float32 per-slot memory kept across blocks (BlockState.memory, view-relative).
+    """[n, W] float32 per-slot memory kept across blocks (BlockState.memory, view-relative; a
+    host tensor: `absorb` writes it back after each step).
 
     Slots new to the view read `fill`; a request with no memory yet reads `initial` everywhere.
     """
@@ -91,7 +92,8 @@ def _recall(batch: StepBatch, key: str, fill: float, initial: float | None = Non
 
 
 def _remember(batch: StepBatch, key: str, values: torch.Tensor) -> None:
-    for i, (st, w) in enumerate(zip(batch.states, batch.valid.sum(-1).tolist())):
+    """Keep `values` [n, W] (host) as each request's memory under `key`."""
+    for i, (st, w) in enumerate(zip(batch.states, batch.host.lengths)):
         st.memory[key] = values[i, :w].clone()
 
 
@@ -108,9 +110,10 @@ def _thresholds(record: torch.Tensor) -> torch.Tensor:
 
 def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
             n: int) -> torch.Tensor:
-    """[n, W] bool: unfilled slots with conf > τ; where fewer than n qualify, the top n instead."""
+    """[n, W] bool: unfilled slots with conf > τ (a host tensor [n]); where fewer than n
+    qualify, the top n instead."""
     conf = conf.masked_fill(~unfilled, NEG_INF)
-    above = unfilled & (conf > tau[:, None])
+    above = unfilled & (conf > on_device(tau, conf)[:, None])
     top = topk_mask(conf, torch.full((conf.shape[0],), n, dtype=torch.long))
     return torch.where((above.sum(-1) < n)[:, None], top, above)
 
@@ -156,27 +159,35 @@ class Saber(Strategy):
         prefix = _up_to_block_end(batch)
         unfilled = batch.masked & prefix
         if self.spec.saber_dream:
-            tokens, reveal, revoke = self._dream_step(batch, prefix, unfilled)
+            tokens, reveal, revoke, memory = self._dream_step(batch, prefix, unfilled)
         else:
-            tokens, reveal, revoke = self._llada_step(batch, prefix, unfilled)
-        left = (unfilled & ~reveal) | revoke
+            tokens, reveal, revoke, memory = self._llada_step(batch, prefix, unfilled)
+        return Decision(commit=reveal & ~revoke, tokens=tokens, remask=revoke & ~reveal,
+                        state=memory)
+
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
+        """Keep the slots' confidences; count the [MASK]s left up to the block end (a slot
+        revealed and revoked by one step stays masked: not a commit)."""
+        for key, values in decision.state.items():
+            _remember(batch, key, values)
+        host = batch.host
+        unfilled = host.masked & _up_to_block_end(host)
+        left = (unfilled & ~decision.commit) | decision.remask
         for st, m in zip(batch.states, left.sum(-1).tolist()):
             st.extra.prefix_masked = int(m)
-        return Decision(commit=reveal & ~revoke, tokens=tokens, remask=revoke & ~reveal)
 
     # ---- generate_with_saber (LLaDA) -----------------------------------------------------------
     def _llada_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor):
         n = self.params.n
         tokens, logits = propose(batch)
         conf = token_prob(logits, tokens, torch.float32).masked_fill(~prefix, NEG_INF)  # [n, W]
-        last = _recall(batch, "last_conf", NEG_INF, initial=0.0)   # previous forward's conf
+        last = on_device(_recall(batch, "last_conf", NEG_INF, initial=0.0), conf)  # last conf
         delta = conf - last
         delta = torch.where(torch.isfinite(delta), delta, float("inf"))
         latest = _recall(batch, "reveal_conf", NEG_INF)            # conf at the latest reveal
         reveal = _reveal(conf, unfilled, _thresholds(latest), n)
-        latest = torch.where(reveal, conf, latest)
-        _remember(batch, "last_conf", conf)
-        _remember(batch, "reveal_conf", latest)
+        latest = torch.where(reveal, conf, on_device(latest, conf))
+        memory = {"last_conf": conf, "reveal_conf": latest}
         r = reveal.sum(-1).clamp(min=n)
         count = torch.minimum(torch.maximum(torch.full_like(r, n // 2), (r + 7) // 8), r - 1)
         count = count.masked_fill(~(unfilled & ~reveal).any(-1), 0)   # prefix full: no remask
@@ -184,7 +195,7 @@ class Saber(Strategy):
         # lowest delta first; slots whose delta is not finite rank last but stay eligible
         score = torch.where(delta < float("inf"), -delta.double(), -2.0).masked_fill(~filled,
                                                                                    NEG_INF)
-        return tokens, reveal, topk_mask(score, count)
+        return tokens, reveal, topk_mask(score, count), memory
 
     # ---- Saber's Dream decoder -----------------------------------------------------------------
     def _dream_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor):
@@ -193,15 +204,16 @@ class Saber(Strategy):
         conf = probs.gather(-1, tokens[..., None]).squeeze(-1).masked_fill(~unfilled, NEG_INF)
         first = _recall(batch, "first_conf", NEG_INF)              # conf at the first reveal
         reveal = _reveal(conf, unfilled, _thresholds(first), n)
+        first = on_device(first, conf)
         first = torch.where(reveal & (first == NEG_INF), conf, first)
-        _remember(batch, "first_conf", first)
         u = reveal.sum(-1)
         count = torch.clamp(torch.minimum(-(-u // 8), u - 1), min=1)
         filled = (prefix & ~batch.masked) | reveal
         count = count.masked_fill(~(unfilled & ~reveal).any(-1) | (filled.sum(-1) <= 1), 0)
         current = torch.where(reveal, tokens, batch.tokens)
         own = token_prob(batch.logits, current, torch.float32)        # p(current token), no penalty
-        return tokens, reveal, topk_mask((-own).masked_fill(~filled, NEG_INF), count)
+        return (tokens, reveal, topk_mask((-own).masked_fill(~filled, NEG_INF), count),
+                {"first_conf": first})
 
     def _penalised(self, batch: StepBatch, unfilled: torch.Tensor) -> StepBatch:
         """The batch with Dream's EOS penalty on the pad logit of masked slots (a no-op at 0)."""
@@ -216,5 +228,5 @@ class Saber(Strategy):
             st.memory["steps"] = st.memory.get("steps", 0) + 1
         logits = batch.logits.clone()
         pad = self.spec.pad_token_id
-        logits[..., pad] += torch.stack(shift)[:, None] * unfilled
+        logits[..., pad] += on_device(torch.stack(shift), logits)[:, None] * unfilled
         return dataclasses.replace(batch, logits=logits)

@@ -1,33 +1,105 @@
-"""Token proposals shared by strategies: greedy/temperature candidates and their confidences."""
+"""Token proposals shared by strategies: greedy/temperature candidates and their confidences.
+
+Everything here runs on the logits' device and never reads a value back to the host. The one
+place where the host and a device differ is `Rows`: the rows a decision reads the vocabulary at
+are gathered compactly on the CPU (a boolean index costs nothing there) and read all at once,
+masked, anywhere else (counting them would make the host wait for the device).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_DENSE = contextvars.ContextVar("cover_vllm_dense_rows", default=False)
+
+
+@contextlib.contextmanager
+def dense_rows():
+    """Within this block `Rows` reads every row on the CPU too, as it does on a GPU: the
+    parity tests run the device path on the host with it (tests/test_device_decisions.py)."""
+    token = _DENSE.set(True)
+    try:
+        yield
+    finally:
+        _DENSE.reset(token)
+
+
+class Rows:
+    """The view rows, [n, W] bool, at which a decision reads the vocabulary.
+
+    `take` gives those rows of an [n, W, ...] tensor as [N, ...] and `put` lays [N, ...] values
+    back out as [n, W, ...] with `fill` elsewhere. On the CPU N is the number of rows in the mask
+    (row-major order, as `t[mask]`); on any other device N = n * W (every row, no host sync), and
+    values outside the mask are discarded by `put`. Either way a row's value never depends on the
+    others, so both give the same bits on the rows that matter.
+    """
+
+    def __init__(self, mask: torch.Tensor, within: "Rows | None" = None):
+        """With `within` (a Rows whose mask covers this one's), `take` reads tensors that
+        `within.take` already gathered."""
+        self.mask, self.nested = mask, within is not None
+        self.compact = mask.device.type == "cpu" and not _DENSE.get()
+        self.index = None
+        if self.compact:           # index_select: 1.6x faster on CPU than boolean indexing
+            self.index = mask.flatten().nonzero().squeeze(1)
+            if within is not None:                  # the same rows' places in within's order
+                self.index = (within.mask.flatten().cumsum(0) - 1).index_select(0, self.index)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        flat = t if self.nested else t.reshape(-1, *t.shape[2:])
+        return flat.index_select(0, self.index) if self.compact else flat
+
+    def put(self, values: torch.Tensor, fill) -> torch.Tensor:
+        shape = (*self.mask.shape, *values.shape[1:])
+        if self.compact:
+            out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
+            out[self.mask] = values
+            return out
+        mask = self.mask.reshape(*self.mask.shape, *([1] * (values.dim() - 1)))
+        return torch.where(mask, values.reshape(shape), torch.tensor(fill, dtype=values.dtype,
+                                                                    device=values.device))
+
+
+def as_rows(rows: torch.Tensor | Rows | None) -> Rows | None:
+    """A [n, W] bool mask as `Rows` (Rows and None pass through)."""
+    return rows if rows is None or isinstance(rows, Rows) else Rows(rows)
+
+
+def on_device(values, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list or a CPU tensor) as a tensor on `like`'s device: the host-to-device
+    direction, which never makes the host wait."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=like.device, dtype=dtype or values.dtype)
+    return torch.tensor(values, dtype=dtype, device=like.device)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor) -> torch.Tensor:
-    """logits [n, W, V]; per-row top_k [n] (-1 off) and top_p [n] (1.0 off) -> filtered logits."""
+    """logits [n, W, V]; per-row top_k [n] (-1 off) and top_p [n] (1.0 off), host tensors ->
+    filtered logits (on the logits' device)."""
     out = logits
     if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        vocab = logits.shape[-1]
+        k = on_device(torch.where(top_k > 0, top_k, vocab).clamp(max=vocab), logits)
         kth = logits.sort(dim=-1, descending=True).values.gather(
             -1, (k - 1)[:, None, None].expand(*logits.shape[:2], 1))
         out = out.masked_fill(out < kth, float("-inf"))
     if bool((top_p < 1.0).any()):
         sorted_logits, order = out.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) > top_p[:, None, None]
+        p = on_device(top_p, logits)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) > p[:, None, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
 
 
 def take_rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits [n, W, V] at rows [n, W] bool -> [N, V] in row-major order, as `logits[rows]`
-    (index_select: 1.6x faster on CPU than boolean indexing)."""
-    flat = rows.flatten().nonzero().squeeze(1)
-    return logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
+    """logits [n, W, V] at rows [n, W] bool -> [N, V] (`Rows(rows).take(logits)`)."""
+    return Rows(rows).take(logits)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -36,59 +108,71 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def hot_rows(temperature: torch.Tensor) -> list[int]:
+    """Requests that sample (temperature > 0), from the host copy of their temperatures."""
+    return (temperature > 0).nonzero().flatten().tolist()
+
+
+def _rand(shape, dtype: torch.dtype, generator: torch.Generator | None,
+          like: torch.Tensor) -> torch.Tensor:
+    return torch.rand(shape, dtype=dtype, generator=generator, device=like.device)
+
+
 def gumbel_candidates(logits: torch.Tensor, temperature: torch.Tensor,
-                      generators: list[torch.Generator], lengths: list[int],
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+                      generators: list[torch.Generator | None], lengths: list[int],
+                      rows: Rows | None = None) -> torch.Tensor:
     """argmax of LLaDA's float64 Gumbel-max perturbation exp(l) / (-log u)^T; greedy rows at T=0.
 
     logits [n, W, V] -> tokens [n, W]. Noise for request i covers only its own `lengths[i]` view
-    rows and comes from its own generator, so batching never changes a request's draws. With
-    `rows` ([n, W] bool) the greedy argmax is taken only there (0 elsewhere).
+    rows and comes from its own generator (on the logits' device), so batching never changes a
+    request's draws. With `rows` the greedy argmax is taken only there (0 elsewhere).
     """
-    if rows is None:
-        tokens = greedy(logits)
-    else:
-        tokens = torch.zeros(logits.shape[:2], dtype=torch.long)
-        tokens[rows] = greedy(take_rows(logits, rows))
-    for i in (temperature > 0).nonzero().flatten().tolist():
+    tokens = greedy(logits) if rows is None else rows.put(greedy(rows.take(logits)), 0)
+    for i in hot_rows(temperature):
         row = logits[i, : lengths[i]].double()
-        u = torch.rand(row.shape, dtype=torch.float64, generator=generators[i])
+        u = _rand(row.shape, torch.float64, generators[i], row)
         noisy = row.exp() / (-torch.log(u)) ** float(temperature[i])
         tokens[i, : lengths[i]] = greedy(noisy)
     return tokens
 
 
 def sample_candidates(logits: torch.Tensor, temperature: torch.Tensor,
-                      generators: list[torch.Generator], lengths: list[int]) -> torch.Tensor:
+                      generators: list[torch.Generator | None], lengths: list[int]) -> torch.Tensor:
     """Dream-style sampling: softmax(logits / T) multinomial per row; argmax where T = 0."""
     tokens = greedy(logits)
-    for i in (temperature > 0).nonzero().flatten().tolist():
+    for i in hot_rows(temperature):
         probs = torch.softmax(logits[i, : lengths[i]].float() / float(temperature[i]), dim=-1)
         tokens[i, : lengths[i]] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(-1)
     return tokens
 
 
+def uniform(length: int, generator: torch.Generator | None, like: torch.Tensor) -> torch.Tensor:
+    """[length] float32 uniform draws from a request's own generator, on `like`'s device."""
+    return _rand((length,), torch.float32, generator, like)
+
+
 def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
-               dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32, rows: Rows | torch.Tensor | None = None,
                picked: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(logits)[tokens] computed in `dtype`: [n, W, V], [n, W] -> [n, W].
 
-    With `rows` ([n, W] bool) only those rows are computed (0 elsewhere): a full-vocabulary
-    softmax is the costliest part of a decision, and a row's value never depends on the others.
-    `picked` is `take_rows(logits, rows)` when the caller already has it.
+    With `rows` only those rows count (0 elsewhere): a full-vocabulary softmax is the costliest
+    part of a decision, and a row's value never depends on the others. `picked` is
+    `rows.take(logits)` when the caller already has it.
     """
     if rows is None:
         return torch.softmax(logits.to(dtype), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    rows = as_rows(rows)
     if picked is None:
-        picked = take_rows(logits, rows)                                    # [N, V]
-    out = torch.zeros(tokens.shape, dtype=dtype)
+        picked = rows.take(logits)                                          # [N, V]
     probs = torch.softmax(picked.to(dtype), dim=-1)
-    out[rows] = probs.gather(-1, tokens[rows][:, None]).squeeze(-1)
-    return out
+    return rows.put(probs.gather(-1, rows.take(tokens)[:, None]).squeeze(-1), 0.0)
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per row, True at the k[i] highest scores (-inf entries are never chosen). [n, W], [n]."""
+    """Per row, True at the k[i] highest scores (-inf entries are never chosen); ties go to the
+    lower position. scores [n, W] and k [n] on one device (k may be a host tensor)."""
     order = scores.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1]).expand_as(order))
-    return (ranks < k[:, None]) & torch.isfinite(scores)
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return (ranks < on_device(k, scores)[:, None]) & torch.isfinite(scores)

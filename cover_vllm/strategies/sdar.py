@@ -36,7 +36,7 @@ from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy
 from cover_vllm.strategies.llada import propose, propose_scored
 from cover_vllm.strategies.llada2 import (check_number, schedule_counts, start_schedule,
                                           threshold_or_top)
-from cover_vllm.strategies.sampling import topk_mask
+from cover_vllm.strategies.sampling import on_device, topk_mask
 
 SDAR_DEFAULT_STEPS = 8           # `block_diffusion_generate(denoising_steps=8)`
 REMASKING = ("sequential", "low_confidence_static", "low_confidence_dynamic")
@@ -70,14 +70,14 @@ class SDAR(Strategy):
 
     def decide(self, batch: StepBatch) -> Decision:
         candidates = batch.candidates                                       # [n, W]
-        left = candidates.sum(-1)
-        count = schedule_counts(batch, past_end=left)
+        count = schedule_counts(batch, past_end=batch.host.candidates.sum(-1))
         rule = self.params.remasking
         if rule == "sequential":
             tokens, _ = propose(batch, rows=candidates)
-            pos = torch.arange(candidates.shape[1])
+            pos = torch.arange(candidates.shape[1], device=candidates.device)
             first = torch.where(candidates, pos, candidates.shape[1]).min(-1).values
-            commit = candidates & (pos >= first[:, None]) & (pos < (first + count)[:, None])
+            end = first + on_device(count, first)
+            commit = candidates & (pos >= first[:, None]) & (pos < end[:, None])
             return Decision(commit=commit, tokens=tokens)
         tokens, conf = propose_scored(batch, candidates, torch.float32)
         conf = conf.masked_fill(~candidates, float("-inf"))

@@ -42,7 +42,7 @@ import torch
 from cover_vllm.step_plan import ExtraRows
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import token_prob, topk_mask
+from cover_vllm.strategies.sampling import on_device, token_prob, topk_mask
 
 INF = float("inf")
 
@@ -72,21 +72,21 @@ class WinoParams(StrategyParams):
 def shadow_prob(batch: StepBatch) -> torch.Tensor:
     """[n, W] float64: shadow row j's probability of the current token of block slot j, at that
     slot's view column; +inf where there is no shadow row (outside the block, no extra rows)."""
-    out = torch.full(batch.tokens.shape, INF, dtype=torch.float64)
+    out = torch.full(batch.tokens.shape, INF, dtype=torch.float64, device=batch.device)
     if batch.extra_logits is None:
         return out
-    n, width = batch.tokens.shape
     e = batch.extra_logits.shape[1]
     first = batch.in_block.long().argmax(-1)                              # [n] block's 1st column
-    cols = first[:, None] + torch.arange(e)                               # [n, E]
-    ok = batch.extra_valid & (cols < width)
-    cols = cols.clamp(max=width - 1)
-    ok &= batch.in_block.gather(1, cols)
-    tokens = batch.tokens.gather(1, cols).clamp(max=batch.extra_logits.shape[-1] - 1)
-    prob = token_prob(batch.extra_logits, tokens, torch.float64)          # [n, E]
-    rows = torch.arange(n)[:, None].expand_as(cols)
-    out[rows[ok], cols[ok]] = prob[ok]
-    return out
+    cols = first[:, None] + torch.arange(e, device=batch.device)          # [n, E] shadow -> column
+    tokens = batch.tokens.gather(1, cols.clamp(max=batch.tokens.shape[1] - 1))
+    prob = token_prob(batch.extra_logits, tokens.clamp(max=batch.extra_logits.shape[-1] - 1),
+                      torch.float64)                                      # [n, E]
+    # column j reads shadow row j - first (each column has at most one)
+    row = torch.arange(batch.tokens.shape[1], device=batch.device) - first[:, None]   # [n, W]
+    has = (row >= 0) & (row < e) & batch.in_block
+    row = row.clamp(0, e - 1)
+    has &= batch.extra_valid.gather(1, row)
+    return torch.where(has, prob.gather(1, row), out)
 
 
 @dataclass
@@ -134,11 +134,13 @@ class Wino(Strategy):
         checked = batch.in_block & ~batch.masked & batch.valid & torch.isfinite(back)
         checked &= (num_accept > 1)[:, None]
         low = checked & (back < p.threshold_back)
-        last = torch.tensor([st.extra.last_accept for st in batch.states], dtype=torch.long)
+        last = on_device([st.extra.last_accept for st in batch.states], low, torch.long)
         num_low = low.sum(-1)
         cap = torch.where(num_low >= last, last - 1, num_low)
         remask = topk_mask((-back).masked_fill(~low, -INF), cap)
-        for st, k in zip(batch.states, num_accept.tolist()):
-            st.extra.last_accept = k
         return Decision(commit=commit, tokens=tokens, remask=remask,
                         keeps=(checked & ~remask).sum(-1), verified=checked.sum(-1))
+
+    def absorb(self, batch: StepBatch, decision: Decision) -> None:
+        for st, k in zip(batch.states, decision.commit.sum(-1).tolist()):
+            st.extra.last_accept = k

@@ -5,8 +5,9 @@ positions [prompt_len, frontier), followed by [MASK] up to the end of the genera
 
 * `mask_frontiers` (before `decide`): the frontier position's logits row keeps only the tokens
   the grammar allows there, so the strategy's proposal and confidence at the frontier are the
-  constrained ones. The raw row is restored after `decide` (logprobs report the model's
-  distribution).
+  constrained ones. The matcher fills its token bitmask on the host (V / 32 words); the mask is
+  applied where the logits are (xgrammar's kernel on the CPU, bit arithmetic on any other
+  device). The raw row is restored after `decide` (logprobs report the model's distribution).
 * `constrain_decision` (after `decide`): the decision is applied to a copy of the view, then
   - a position of the accepted prefix that the decision revised (Replace / ReMask of a
     revocable check) rolls the grammar back to just before it;
@@ -20,7 +21,9 @@ positions [prompt_len, frontier), followed by [MASK] up to the end of the genera
   - once the grammar accepts an end-of-sequence token, the rest of the block becomes that
     token and the request ends ("stop").
   Re-drawn tokens follow the request's temperature (argmax at 0, else a draw from the masked
-  softmax with the request's generator). Rows a sparse window may leave out (non-masked,
+  softmax with the request's generator), on the logits' device; each re-draw reads its one token
+  back (the only device reads of a step outside its one decision copy, and only when a grammar
+  refuses what the decoder chose). Rows a sparse window may leave out (non-masked,
   non-seed positions of `masked_rows_only` decoders) are never read: a rejected token there is
   masked, and a remask there undone.
 """
@@ -98,16 +101,14 @@ class GrammarState:
             self.close_estimate = len(path)
 
     def restrict(self, row: torch.Tensor) -> None:
-        """Set every token the grammar forbids at the frontier to -inf in `row` [V], in place."""
-        import xgrammar as xgr
-
+        """Set every token the grammar forbids at the frontier to -inf in `row` [V], in place
+        (on `row`'s device)."""
         bitmask = self.search.bitmask                  # [1, ceil(V / 32)] int32, shared
         self.matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(row[None, : self.vocab_size], bitmask)
-        if row.shape[0] > self.vocab_size:             # a padded LM head's extra columns
-            row[self.vocab_size:] = float("-inf")
+        apply_bitmask(row, bitmask, self.vocab_size)
 
-    def draw(self, row: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    def draw(self, row: torch.Tensor, temperature: float,
+             generator: torch.Generator | None) -> int:
         """The token for the frontier from logits `row` [V] under the grammar's mask."""
         row = row.detach().clone()
         self.restrict(row)
@@ -126,6 +127,28 @@ class GrammarState:
             # the estimate came from a later state: take this one's (a shorter value needs
             # fewer slots, so a stale estimate would start the checks too late)
             self._estimate(self.search.path_after(position - 1))
+
+
+def apply_bitmask(row: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """-inf in logits `row` [V] wherever the host bitmask [1, ceil(V / 32)] int32 has a 0 bit
+    (bit j of word w: token 32 w + j), and on a padded LM head's columns past `vocab_size`."""
+    if row.device.type == "cpu":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(row[None, :vocab_size], bitmask)
+    else:                              # the words cross to the device; the row never leaves it
+        row[:vocab_size].masked_fill_(~allowed_tokens(bitmask, vocab_size, row.device),
+                                      float("-inf"))
+    if row.shape[0] > vocab_size:
+        row[vocab_size:] = float("-inf")
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[vocab_size] bool on `device` from a host bitmask [1, ceil(V / 32)] int32 (bit j of
+    word w: token 32 w + j), unpacked there."""
+    words = bitmask[0].to(device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, None] >> bits) & 1).flatten()[:vocab_size].bool()
 
 
 def mask_frontiers(rows: list[tuple[GrammarState, torch.Tensor, int]]) -> list:
@@ -170,7 +193,7 @@ class ViewRow:
     limit: int                      # canvas end of what the grammar governs (gen slots)
     mask_id: int
     temperature: float
-    generator: torch.Generator
+    generator: torch.Generator | None
 
 
 def _apply(d: RowDecision, old: torch.Tensor, mask_id: int) -> torch.Tensor:

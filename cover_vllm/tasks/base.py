@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from cover_vllm.tokenizer import apply_chat_template
+
 EOS_TEXT = "<|endoftext|>"
 
 
@@ -64,6 +66,4 @@ def clean_output(output_text: str) -> str:
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of `prompt` in the format cover-tiny was trained on: one user turn, then the
     assistant header (`<|user|>{prompt}<|assistant|>`), via the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])

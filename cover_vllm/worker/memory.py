@@ -92,16 +92,23 @@ def weight_bytes(model: torch.nn.Module, world_size: int,
         total += kernel_extra_bytes(model, device)
         return total, total
     sliced = param_slices(model, 0, world_size)
-    extra = kernel_extra_bytes(model, device, sliced, world_size)
-    sharded = replicated = 0
+    extra = kernel_extra_bytes(model, device, sliced)
+    sharded = replicated = 0                      # sharded: one rank's share of the split
     for name, p in named:
         nbytes = p.numel() * p.element_size()
-        if name in sliced and not sliced[name].zero:
-            sharded += nbytes
+        sl = sliced.get(name)
+        if sl is not None and not sl.zero:        # its size / full: 1/N, or a copied kv head
+            sharded += nbytes * sl.size // sl.full
         else:
             replicated += nbytes
-    return (sharded // world_size + replicated + extra,
-            sharded + replicated * world_size + extra * world_size)
+    per_rank = sharded + replicated + extra
+    return per_rank, per_rank * world_size
+
+
+def _is_quantized(model: torch.nn.Module) -> bool:
+    from cover_vllm.models.quantization import quantized_tensors
+
+    return next(quantized_tensors(model), None) is not None
 
 
 def _capacity(config: EngineConfig) -> tuple[int, bool]:
@@ -134,6 +141,8 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
             f"of the {where} allows {capacity / GiB:.2f} GiB; use "
             + ("a smaller dtype (bfloat16), " if dtype == torch.float32 else "")
+            + ("" if _is_quantized(model) else "quantization (quantization='w8a8', 'int8' "
+               "or 'int4'), ")
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes

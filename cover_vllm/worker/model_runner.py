@@ -2,7 +2,9 @@
 
 The flat token axis holds every canvas window (cond, then uncond for cfg) item by item, then the
 items' extra query rows (attention/base.py). Embedding edits are applied right after
-`model.embed`; extra rows' logits come back raw, per item.
+`model.embed`; extra rows' logits come back raw, per item. Everything the forward returns stays
+on the model's device (the strategies decide there, engine/decide.py), except the attention mass
+the host's refresh policy reads: one small copy, in steps where an item asked for it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
+from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
+from cover_vllm.worker.scoring import ScoreLayout, lay_out_scores, score_forward
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 
@@ -34,11 +38,12 @@ class _Layout:
     stat_rows: list[torch.Tensor] = field(default_factory=list)   # per canvas [window_len]
                                        # bool: rows whose attention the stats layer sums
     edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
+    scores: ScoreLayout | None = None   # scoring sequences, after the generation windows
 
 
 class _Stats:
     """Collects attention in-mass (and, when a strategy reads it, key drift) on one layer during
-    the forward (on the model's device; `to_host` brings them back for the strategies)."""
+    the forward (on the model's device, where the strategies read them)."""
 
     def __init__(self, layer: int, rows: list[torch.Tensor], num_tokens: int | None,
                  device: torch.device):
@@ -49,25 +54,13 @@ class _Stats:
         self.drift = None if num_tokens is None else torch.zeros(num_tokens, device=device)
         self.attn_in: torch.Tensor | None = None     # [B, Kmax]; None: no masked row
 
-    def to_host(self) -> _Stats:
-        self.drift = None if self.drift is None else to_host(self.drift)
-        self.attn_in = None if self.attn_in is None else to_host(self.attn_in)
-        return self
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A forward's result on the CPU, where the scheduler and strategies work. On the "meta"
-    device (a shapes-only dry run, tests/test_device.py) it is zeros of the same shape."""
-    if t.device.type == "meta":
-        return torch.zeros(t.shape, dtype=t.dtype)
-    return t.cpu()
-
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, cache: KVCache):
         self.model, self.backend, self.cache = model, backend, cache
         self.shift = model.spec.logit_shift
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
+        self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
 
     def _layout(self, out: SchedulerOutput) -> _Layout:
         lay = _Layout()
@@ -96,6 +89,9 @@ class ModelRunner:
                 lay.stat_rows.append(self._stat_rows(item, canvas) if measured
                                      else torch.zeros(n, dtype=torch.bool))
                 offset += n
+        if out.score_items:                        # likelihood scoring (worker/scoring.py)
+            lay.scores, offset = lay_out_scores(out.score_items, lay.seqs, lay.ids,
+                                                lay.positions, offset)
         for item in out.items:                     # extra rows follow every window (attention)
             if item.extra is None:
                 lay.extra_rows.append(None)
@@ -140,15 +136,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Lay the batch out on the host, move it to the model's device once, run the forward
-        there, and bring back only the logits (and statistics) the strategies read."""
+        there, and return the logits (and statistics) the strategies read, on that device."""
         start = time.perf_counter()
         device = self.device
+        copies, moved = self.transfer.copies, self.transfer.bytes
         lay = self._layout(out)
         ids = torch.cat(lay.ids).to(device)
         positions = torch.cat(lay.positions).to(device)
         meta = build_metadata(lay.seqs, device)
         extra_rows = [r for r in lay.extra_rows if r is not None]
-        logit_rows = torch.cat(lay.rows + extra_rows).to(device)
+        logit_rows = torch.cat(lay.rows + extra_rows).to(device) if out.items else None
         prepare_s = time.perf_counter() - start
         stats = None
         if any(item.want_stats or item.want_mass for item in out.items):
@@ -160,11 +157,17 @@ class ModelRunner:
             edits = [(flat.to(device), edit) for flat, edit in lay.edits]
             embeds = apply_embed_edits(self.model.embed, embeds, edits)
         hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+        scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores,
+                                                               self.transfer.fetch)
+        if not out.items:                          # a scoring-only forward
+            return ModelRunnerOutput([], prepare_s=prepare_s, scores=scores,
+                                     host_copies=self.transfer.copies - copies,
+                                     host_bytes=self.transfer.bytes - moved)
         logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         sizes = [r.numel() for r in lay.rows + extra_rows]
         if any(valid is not None for valid in lay.row_valid):
             logits, sizes = self._full_views(logits, lay)
-        per_canvas = list(to_host(logits.float()).split(sizes))
+        per_canvas = list(logits.float().split(sizes))
         results = []
         for item in out.items:
             cond = per_canvas.pop(0)
@@ -176,11 +179,16 @@ class ModelRunner:
         if extra_rows:                             # what is left: the extra rows, item order
             extra_logits = [None if r is None else per_canvas.pop(0) for r in lay.extra_rows]
         if stats is None:
-            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits)
-        drift, attn_in, mass, columns = self._split_stats(out, stats.to_host())
+            return ModelRunnerOutput(results, prepare_s=prepare_s, extra_logits=extra_logits,
+                                     scores=scores, host_copies=self.transfer.copies - copies,
+                                     host_bytes=self.transfer.bytes - moved)
+        drift, attn_in, columns = self._split_stats(out, stats)
+        mass, columns = _cached_mass(out, self.transfer.fetch(columns))
         return ModelRunnerOutput(results, drift, attn_in, prepare_s=prepare_s,
                                  extra_logits=extra_logits, cached_mass=mass,
-                                 column_mass=columns)
+                                 column_mass=columns, scores=scores,
+                                 host_copies=self.transfer.copies - copies,
+                                 host_bytes=self.transfer.bytes - moved)
 
     def _attention(self, meta, stats: _Stats | None):
         """The AttentionFn of one forward: the paged backend over this runner's cache, which
@@ -234,35 +242,43 @@ class ModelRunner:
         if item.window_positions is None:
             return values[item.view_start - item.window_start:item.view_end - item.window_start]
         out = values.new_zeros(item.view_end - item.view_start)
-        pos = item.window_positions
-        inside = (pos >= item.view_start) & (pos < item.view_end)
-        out[pos[inside] - item.view_start] = values[inside]
-        return out
+        pos = item.window_positions                               # host
+        rows = ((pos >= item.view_start) & (pos < item.view_end)).nonzero().flatten()
+        dest = (pos[rows] - item.view_start).to(values.device)
+        return out.index_copy_(0, dest, values.index_select(0, rows.to(values.device)))
 
     @staticmethod
     def _split_stats(out: SchedulerOutput, stats: _Stats):
         """Per item: drift and in-mass over its view (items whose strategy reads them), and the
-        share of the masked rows' attention outside the view with its [L] per-column split
-        (items measured at all, while a masked row is left)."""
-        drift, attn_in, mass, columns = [], [], [], []
+        masked rows' attention per key column [L] (items measured at all, while a masked row
+        is left), all on the model's device."""
+        drift, attn_in, columns = [], [], []
         offset, seq = 0, 0
         for item in out.items:
-            mass.append(None)
             columns.append(None)
             drift.append(None)
             attn_in.append(None)
             if item.want_stats:
                 drift[-1] = ModelRunner._view_values(item, stats.drift[offset:offset +
                                                                        item.window_len])
-                attn_in[-1] = (torch.zeros(item.view_end - item.view_start)
+                attn_in[-1] = (stats.drift.new_zeros(item.view_end - item.view_start)
                                if stats.attn_in is None
                                else stats.attn_in[seq, item.view_start:item.view_end])
             if (item.want_stats or item.want_mass) and stats.attn_in is not None:
-                column = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
-                total = float(column.sum())
-                if total > 0:                    # the rows' mass sums to their count
-                    mass[-1] = 1.0 - float(column[item.view_start:item.view_end].sum()) / total
-                    columns[-1] = column
+                columns[-1] = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
             offset += item.window_len * len(item.canvases)
             seq += len(item.canvases)
-        return drift, attn_in, mass, columns
+        return drift, attn_in, columns
+
+
+def _cached_mass(out: SchedulerOutput, columns: list[torch.Tensor | None]):
+    """Per item, from its host column masses [L]: the share of the still-masked view rows'
+    attention on keys outside the view (None: no such row), and the columns (None likewise)."""
+    mass = []
+    for item, column in zip(out.items, columns):
+        total = 0.0 if column is None else float(column.sum())
+        if total > 0:                            # the rows' mass sums to their count
+            mass.append(1.0 - float(column[item.view_start:item.view_end].sum()) / total)
+        else:
+            mass.append(None)
+    return mass, [c if m is not None else None for c, m in zip(columns, mass)]

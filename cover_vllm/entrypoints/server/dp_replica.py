@@ -44,11 +44,12 @@ class EngineReplica:
                 "num_pages": self.engine.load().pages_total}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, context_len: int | None = None) -> None:
         """Raises what Engine.add_request raises (ValueError / TypeError for bad input), or
-        EngineRequestError / RuntimeError once the engine is dead or the replica stopped."""
+        EngineRequestError / RuntimeError once the engine is dead or the replica stopped.
+        `context_len`: a scoring request's split (Submission.context_len)."""
         done, refusal = threading.Event(), []
-        self.driver.add(Submission(request_id, list(prompt_token_ids), params),
+        self.driver.add(Submission(request_id, list(prompt_token_ids), params, context_len),
                         lambda error: (refusal.append(error), done.set()))
         while not done.wait(1.0):
             problem = self.driver.health()

@@ -117,7 +117,8 @@ class DPRouter:
         self._streams[stream.request_id] = stream
         try:
             await replica.actor.add_request.remote(
-                submission.request_id, list(submission.prompt_token_ids), submission.params)
+                submission.request_id, list(submission.prompt_token_ids), submission.params,
+                submission.context_len)
         except Exception as exc:
             self._forget(stream)
             cause = _cause(exc)

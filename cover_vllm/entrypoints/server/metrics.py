@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cover_vllm.outputs import RequestOutput
+from cover_vllm.scoring.params import LoglikelihoodOutput
 
 PREFIX = "cover_vllm_"
 
@@ -101,8 +102,13 @@ class ServerMetrics:
         """Expose per-replica series from `counts` (DPRouter.replica_counts) at scrape time."""
         self.registry.register(_ReplicaCollector(counts))
 
-    def on_finished(self, out: RequestOutput) -> None:
+    def on_finished(self, out: RequestOutput | LoglikelihoodOutput) -> None:
         m = out.metrics
+        if isinstance(out, LoglikelihoodOutput):     # a scoring request (server/scoring.py)
+            self.requests.labels(outcome="scored").inc()
+            self.prompt_tokens.inc(len(out.context_token_ids) + len(out.continuation_token_ids))
+            self.nfe.inc(m.nfe)
+            return
         self.requests.labels(outcome=out.outputs[0].finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))   # all n

@@ -1,9 +1,10 @@
 """Request bodies of /v1/completions and /v1/chat/completions (pydantic) and their SamplingParams.
 
 Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo such as `decodng`
-is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (echo,
-penalties, best_of > 1, suffix) are accepted only at their neutral value. `n`, completions'
-`logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
+is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (penalties,
+best_of > 1, suffix) are accepted only at their neutral value. `echo` (with `logprobs`, the
+prompt's per-token values: likelihood scoring, server/scoring.py) takes `max_tokens` 0. `n`,
+completions' `logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
 `return_token_ids` (vLLM's) adds the token ids to the response. OpenAI's `response_format` and
 vLLM's `structured_outputs` map onto SamplingParams.structured_outputs (structured.py). Limits that
 need the model (prompt + max_tokens <= max length) are checked in serving.py after tokenising.
@@ -19,12 +20,11 @@ from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.entrypoints.server.structured import (ResponseFormat, StructuredOutputsFields,
                                                       check_one_constraint, constraint,
                                                       constraint_field)
-from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_n
 from cover_vllm.strategies import STRATEGIES
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
-MAX_N = 64                         # choices per prompt (SamplingParams.n)
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
 
@@ -86,9 +86,8 @@ class SamplingFields(_Strict):
     @field_validator("n")
     @classmethod
     def _n(cls, value):
-        if value is not None and not 1 <= value <= MAX_N:
-            raise ValueError(f"n (choices per prompt) must be an integer from 1 to {MAX_N}, "
-                             f"got {value}")
+        if value is not None:
+            check_n(value)          # SamplingParams' own rule: 1 to MAX_N, with the reason
         return value
 
     @field_validator("frequency_penalty", "presence_penalty")
@@ -179,21 +178,20 @@ def normalize_prompt(value: Any) -> list[str | list[int]]:
 
 class CompletionRequest(SamplingFields):
     prompt: Any
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)     # 0: only with echo (score the prompt)
     echo: bool | None = False
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    # likelihood scoring with echo + logprobs (extra_body; server/scoring.py)
+    continuation: str | list[int] | list[str | list[int]] | None = None
+    mc_num: int | None = Field(None, ge=1)
+    mc_batch_size: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
         return normalize_prompt(value)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value):
-        return _neutral(value, (None, False), "echo=true")
 
     @field_validator("best_of")
     @classmethod
@@ -215,7 +213,9 @@ class CompletionRequest(SamplingFields):
 
     def max_new_tokens(self, model_default: int | None = None) -> int:
         """max_tokens, else the checkpoint's max_new_tokens, else OpenAI's default."""
-        return self.max_tokens or model_default or DEFAULT_COMPLETION_TOKENS
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return model_default or DEFAULT_COMPLETION_TOKENS
 
 
 def _content_text(content: Any) -> str:

@@ -78,15 +78,25 @@ def chat_prompt(ctx: ServingContext, req: ChatRequest) -> list[int]:
                        code="invalid_value") from exc
 
 
+def check_length(ctx: ServingContext, prompts: list[list[int]], max_tokens: int,
+                 prompt_field: str) -> None:
+    """A 400 naming the field at fault: the prompt (`prompt_field`: prompt or messages) when it
+    leaves no room for a single token, else max_tokens."""
+    longest, limit = max(len(ids) for ids in prompts), ctx.max_model_len
+    if longest >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens; the prompt has "
+                       f"{longest} tokens, leaving no room for a generated token. Shorten the "
+                       f"{prompt_field}.", param=prompt_field, code="context_length_exceeded")
+    if longest + max_tokens > limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens; the prompt has "
+                       f"{longest} tokens and max_tokens is {max_tokens} ({longest + max_tokens} "
+                       f"in total). Lower max_tokens to at most {limit - longest}.",
+                       param="max_tokens", code="context_length_exceeded")
+
+
 def sampling_params(ctx: ServingContext, req: SamplingFields, prompts: list[list[int]],
                     max_tokens: int) -> list[SamplingParams]:
     """One SamplingParams per prompt; every seed fixed here so a replay is exact."""
-    longest = max(len(ids) for ids in prompts)
-    if longest + max_tokens > ctx.max_model_len:
-        raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens; "
-                       f"the prompt has {longest} tokens and max_tokens is {max_tokens} "
-                       f"({longest + max_tokens} in total). Lower max_tokens or the prompt.",
-                       param="max_tokens", code="context_length_exceeded")
     try:
         params = req.sampling_params(max_tokens)
         make_params(params.decoding or ctx.default_decoding, params.decoding_params)
@@ -120,10 +130,16 @@ def streams_partial(ctx: ServingContext, params: SamplingParams) -> bool:
 
 async def submit_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                      params: list[SamplingParams]) -> list[ResultStream]:
+    return await submit(ctx, [Submission(f"{base_id}-{i}", ids, p)
+                              for i, (ids, p) in enumerate(zip(prompts, params))])
+
+
+async def submit(ctx: ServingContext, subs: list[Submission]) -> list[ResultStream]:
+    """Queue every submission, or (one was refused) none: a 400 for bad input."""
     streams: list[ResultStream] = []
     try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams.append(await ctx.loop.submit(Submission(f"{base_id}-{i}", ids, p)))
+        for sub in subs:
+            streams.append(await ctx.loop.submit(sub))
     except BaseException as exc:
         for s in streams:
             ctx.loop.abort(s.request_id)
@@ -230,11 +246,15 @@ def response_shape(ctx: ServingContext, req: SamplingFields, chat: bool) -> Resp
 async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
                    prompts: list[list[int]], chat: bool):
     check_constraint(ctx, req)
-    params = sampling_params(ctx, req, prompts, req.max_new_tokens(ctx.default_max_tokens))
+    max_tokens = req.max_new_tokens(ctx.default_max_tokens)
+    check_length(ctx, prompts, max_tokens, "messages" if chat else "prompt")
+    params = sampling_params(ctx, req, prompts, max_tokens)
     base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:              # a malformed schema / regex / grammar is refused when the engine compiles it
         streams = await submit_all(ctx, base_id, prompts, params)
     except APIError as err:
+        if chat and err.param == "prompt":       # the engine's word for the chat's messages
+            err.param = "messages"
         raise named_as_sent(req, err)
     head = {"id": base_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": ctx.model_name}
@@ -253,8 +273,13 @@ async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
 
 
 async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
+    from cover_vllm.entrypoints.server import scoring   # echo: the prompt's values (scoring.py)
+
     check_model(ctx, req.model)
+    scoring.check_scoring_fields(req)
     prompts = [tokenize(ctx, p) for p in req.prompt]
+    if req.echo:
+        return await scoring.create_echo_completion(ctx, request, req, prompts)
     return await _respond(ctx, request, req, prompts, chat=False)
 
 
