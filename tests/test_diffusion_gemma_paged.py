@@ -1,5 +1,6 @@
 """DiffusionGemma's paged route (`encode_paged` / `decode_paged`) against its dense `forward`
-and the golden logits, and tensor parallelism (TP=2 == TP=1) on the golden forward cases.
+and the golden logits, and tensor parallelism (TP=2 == TP=1) on the golden forward cases,
+unquantized, int8 and w8a8 (with the memory plan of a w8a8 rank).
 
 The paged batches here are laid out the way an engine would: every sequence owns scattered
 pages of a shared pool, prompts are encoded in chunks, sequences of different lengths share a
@@ -247,6 +248,45 @@ def test_tensor_parallel_int8_equals_tp1_int8(golden):
     with torch.no_grad():
         want = whole(**call)
     assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+def test_tensor_parallel_w8a8_equals_tp1_and_the_plan_counts_each_rank(golden):
+    """w8a8 (experts int8 weight-only): row-parallel ranks quantize their input columns with
+    the whole row's scale and sum integer sums, so TP=2 == TP=1 up to the experts' fp32
+    partial sums (measured 6.7e-6); the memory plan's bytes per rank are what a rank holds
+    (oneDNN's blocks of its shard, whole per-channel scales of row-split weights, the copied
+    kv head), exactly."""
+    from cover_vllm.models.layers import projection_groups
+    from cover_vllm.worker.memory import weight_bytes
+
+    call = golden_calls(golden)["logits_long"]
+    whole = _rank_model(0, None, "w8a8")
+    comms = _connected()
+    try:
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "w8a8"), 2)
+
+        def forward(r):
+            with torch.no_grad():
+                return ranks[r](**call)
+        got = _in_threads(forward, 2)
+    finally:
+        for c in comms:
+            c.close()
+    with torch.no_grad():
+        want = whole(**call)
+    assert torch.equal(got[0], got[1])
+    assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+    def held(model) -> int:
+        kernels = sum(g.quant.kernel.nbytes() for g in projection_groups(model))
+        experts = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                      if ".experts." in n)
+        return sum(p.numel() * p.element_size() for p in model.parameters()) + kernels + experts
+    meta = build_model(ModelSpec.from_config(resolve_model(str(DIR / "model")).config),
+                       torch.float32, "meta")
+    quantize_model(meta, "w8a8")
+    assert weight_bytes(meta, 1)[0] == held(whole)
+    assert weight_bytes(meta, 2) == (held(ranks[0]), 2 * held(ranks[1]))
 
 
 def test_tensor_parallel_kv_head_rule():

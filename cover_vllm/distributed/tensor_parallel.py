@@ -147,7 +147,11 @@ def collect_plan(model: nn.Module) -> TPPlan:
             plan.splits.append(split)
         for attr, (dim, pieces) in declared.param_splits.items():
             param = getattr(module, attr, None)
-            if not isinstance(param, nn.Parameter) or sum(pieces) != param.shape[dim]:
+            # quantized (models/stacked_experts.py): the weight is its codes' buffers now, and
+            # the declared pieces still say how it was split (a memory plan's param_slices)
+            quantized = param is None and getattr(module, "quant_config", None) is not None
+            if not quantized and (not isinstance(param, nn.Parameter)
+                                  or sum(pieces) != param.shape[dim]):
                 raise ValueError(f"{type(module).__name__} ({where}) declares param_splits "
                                  f"{attr}={(dim, pieces)}, which is not one of its parameters "
                                  "or does not add up to its size along that dim")

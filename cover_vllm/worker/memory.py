@@ -97,8 +97,10 @@ def weight_bytes(model: torch.nn.Module, world_size: int,
     for name, p in named:
         nbytes = p.numel() * p.element_size()
         sl = sliced.get(name)
-        if sl is not None and not sl.zero:        # its size / full: 1/N, or a copied kv head
-            sharded += nbytes * sl.size // sl.full
+        # a quantized weight's buffers share its name, and a per-channel scale [n] of an
+        # input-column split is whole on every rank (it has no dim `sl.dim`)
+        if sl is not None and not sl.zero and p.dim() > sl.dim:
+            sharded += nbytes * sl.size // sl.full    # 1/N, or a copied kv head
         else:
             replicated += nbytes
     per_rank = sharded + replicated + extra
