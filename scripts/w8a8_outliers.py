@@ -137,11 +137,12 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, real: torch.Tensor
     print(f"| {name} | {diff.max():.3f} | {diff.mean():.4f} | {agree:.2%} |")
 
 
-def smoothed(path: str, seen: dict, alpha: float, proxy: bool) -> torch.nn.Module:
-    """A w8a8 model of `path` whose down projections were smoothed (module doc)."""
+def write_smoothed(path: str, seen: list[torch.Tensor], alpha: float, proxy: bool,
+                   out: str) -> None:
+    """Write to `out` the fp32 checkpoint of `path` with its down projections smoothed (module
+    doc); `seen`: each block's recorded down inputs (calibrated scales)."""
     import os
     import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
@@ -158,16 +159,36 @@ def smoothed(path: str, seen: dict, alpha: float, proxy: bool) -> torch.nn.Modul
         s = s / s.median()
         block.up_proj.weight.data /= s[:, None]
         block.ff_out.weight.data *= s[None, :]
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors") and os.path.isfile(os.path.join(path, name)):
+            shutil.copy(os.path.join(path, name), out)
+    save_file({k: v.contiguous() for k, v in fp32.state_dict().items()},
+              os.path.join(out, "model.safetensors"))
+
+
+def smoothed(path: str, seen: list[torch.Tensor], alpha: float, proxy: bool) -> torch.nn.Module:
+    """A w8a8 model of `path` whose down projections were smoothed (module doc)."""
+    import shutil
+    import tempfile
+
     out = tempfile.mkdtemp()
     try:
-        for name in os.listdir(path):
-            if not name.endswith(".safetensors"):
-                shutil.copy(os.path.join(path, name), out)
-        save_file({k: v.contiguous() for k, v in fp32.state_dict().items()},
-                  os.path.join(out, "model.safetensors"))
+        write_smoothed(path, seen, alpha, proxy, out)
         return load_quantized_model(out, "w8a8")
     finally:
         shutil.rmtree(out)
+
+
+def down_inputs(model: str) -> tuple[str, list[torch.Tensor]]:
+    """(checkpoint directory, each block's recorded down-projection inputs) of a LLaDA model."""
+    from cover_vllm.models.builtin import resolve_model_dir
+
+    path, kwargs, _ = inputs(model)
+    fp32 = load_model(path).eval()
+    seen = record(fp32, kwargs)
+    directory = str(resolve_model_dir(path)) if not path.startswith("/") else path
+    return directory, [torch.cat(seen[id(b.down)]) for b in fp32.model.transformer.blocks]
 
 
 def main() -> None:
@@ -194,10 +215,7 @@ def main() -> None:
             keep_weight_only(model, roles(model), kind)
             compare(f"w8a8, {kind} weight-only", model(**kwargs), want, real)
         if args.smoothquant:
-            from cover_vllm.models.builtin import resolve_model_dir
-
-            downs = [torch.cat(seen[id(b.down)]) for b in fp32.model.transformer.blocks]
-            directory = str(resolve_model_dir(path)) if not path.startswith("/") else path
+            directory, downs = down_inputs(args.model)
             for alpha in (0.5, 0.8):
                 for proxy in (False, True):
                     model = smoothed(directory, downs, alpha, proxy)

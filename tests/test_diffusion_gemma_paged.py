@@ -228,15 +228,12 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
             c.close()
 
 
-def test_tensor_parallel_int8_equals_tp1_int8(golden):
-    """Quantized shards hold exactly TP=1's codes (int8 scales by whole rows, also for the
-    experts' down_proj split along its input columns): TP=2 int8 == TP=1 int8 (fp32)."""
-    call = golden_calls(golden)["logits_long"]
-    whole = _rank_model(0, None, "int8")
+def _tp2_and_tp1(call: dict, quantization: str):
+    """(the TP=1 model, its logits of `call`, the two TP=2 ranks, their logits), quantized."""
+    whole = _rank_model(0, None, quantization)
     comms = _connected()
     try:
-        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "int8"), 2)
-        assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r], quantization), 2)
 
         def forward(r):
             with torch.no_grad():
@@ -247,6 +244,14 @@ def test_tensor_parallel_int8_equals_tp1_int8(golden):
             c.close()
     with torch.no_grad():
         want = whole(**call)
+    return whole, want, ranks, got
+
+
+def test_tensor_parallel_int8_equals_tp1_int8(golden):
+    """Quantized shards hold exactly TP=1's codes (int8 scales by whole rows, also for the
+    experts' down_proj split along its input columns): TP=2 int8 == TP=1 int8 (fp32)."""
+    _, want, ranks, got = _tp2_and_tp1(golden_calls(golden)["logits_long"], "int8")
+    assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
     assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
 
 
@@ -259,21 +264,7 @@ def test_tensor_parallel_w8a8_equals_tp1_and_the_plan_counts_each_rank(golden):
     from cover_vllm.models.layers import projection_groups
     from cover_vllm.worker.memory import weight_bytes
 
-    call = golden_calls(golden)["logits_long"]
-    whole = _rank_model(0, None, "w8a8")
-    comms = _connected()
-    try:
-        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "w8a8"), 2)
-
-        def forward(r):
-            with torch.no_grad():
-                return ranks[r](**call)
-        got = _in_threads(forward, 2)
-    finally:
-        for c in comms:
-            c.close()
-    with torch.no_grad():
-        want = whole(**call)
+    whole, want, ranks, got = _tp2_and_tp1(golden_calls(golden)["logits_long"], "w8a8")
     assert torch.equal(got[0], got[1])
     assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
 

@@ -282,20 +282,28 @@ def test_tp2_equals_tp1_int8_on_a_300m_checkpoint(tmp_path, method):
         assert tokens[2, decoding] == tokens[1, decoding], decoding
 
 
-def test_cover_tiny_logits_int8_against_fp32():
-    """A trained model: 120 task prompts with masked answers (40 per task), every real
-    position. Measured: int8 max |d| 0.56, mean 0.020, argmax 99.72 % (head kept in fp32:
-    0.53 / 0.014 / 99.76 %); int4 6.5 / 0.29 / 97.2 % (head in fp32: 97.3 %)."""
+def cover_tiny_task_rows(per_task: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """cover-tiny's task prompts with every answer position masked, padded into one batch:
+    (ids [3 * per_task, L], attention mask [3 * per_task, L])."""
     from cover_vllm.models.builtin import resolve_model_dir
     from cover_vllm.tasks import chat_prompt_ids, get_task
     from cover_vllm.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_dir("cover-tiny"))
     rows = [chat_prompt_ids(tok, ex.prompt) + [2] * task.max_tokens       # 2: cover-tiny's mask
-            for task in map(get_task, ("sudoku4", "arith", "word")) for ex in task.eval_split(40)]
+            for task in map(get_task, ("sudoku4", "arith", "word"))
+            for ex in task.eval_split(per_task)]
     width = max(map(len, rows))
     ids = torch.tensor([r + [2] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask
+
+
+def test_cover_tiny_logits_int8_against_fp32():
+    """A trained model: 120 task prompts with masked answers (40 per task), every real
+    position. Measured: int8 max |d| 0.56, mean 0.020, argmax 99.72 % (head kept in fp32:
+    0.53 / 0.014 / 99.76 %); int4 6.5 / 0.29 / 97.2 % (head in fp32: 97.3 %)."""
+    ids, mask = cover_tiny_task_rows()
     with torch.no_grad():
         want = load_model("cover-tiny")(ids, attention_mask=mask)
         got = load_quantized_model("cover-tiny", "int8")(ids, attention_mask=mask)

@@ -27,6 +27,7 @@ from cover_vllm.models.w8a8_kernels import (IntMMKernel, OnednnKernel, Reference
                                             onednn_problem, reference)
 from cover_vllm.worker.memory import weight_bytes
 from golden_cases import GOLDEN
+from test_quantization import cover_tiny_task_rows
 
 ONEDNN = onednn_problem() is None
 KERNELS = {"onednn": OnednnKernel, "int_mm": IntMMKernel, "reference": ReferenceKernel}
@@ -292,16 +293,7 @@ def test_cover_tiny_logits_w8a8_against_fp32():
     weight-only 0.56 / 0.020 / 99.72 %; the embedding table kept in fp32: 1.34 / 0.062 /
     99.27 %). The MLP down projections' inputs carry the outliers (row crest max/rms 10-14
     against 3-4 elsewhere): docs/benchmarks.md "W8A8"."""
-    from cover_vllm.models.builtin import resolve_model_dir
-    from cover_vllm.tasks import chat_prompt_ids, get_task
-    from cover_vllm.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model_dir("cover-tiny"))
-    rows = [chat_prompt_ids(tok, ex.prompt) + [2] * task.max_tokens       # 2: cover-tiny's mask
-            for task in map(get_task, ("sudoku4", "arith", "word")) for ex in task.eval_split(40)]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [2] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    ids, mask = cover_tiny_task_rows()
     with torch.no_grad():
         want = load_model("cover-tiny")(ids, attention_mask=mask)
         got = load_quantized_model("cover-tiny", "w8a8")(ids, attention_mask=mask)
