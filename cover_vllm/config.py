@@ -49,9 +49,10 @@ class EngineConfig:
                         "vLLM's half and float mean float16 and float32)",
                         choices=DTYPES + tuple(DTYPE_ALIASES))
     quantization: str | None = option(
-        None, "weight-only quantized projections, computed at load: int8 (per output channel) "
-        "or int4 / int4:G (a scale and zero per G input columns, default 128); embeddings, "
-        "norms and routers keep --dtype")
+        None, "quantized projections, computed at load: int8 (per output channel) or int4 / "
+        "int4:G (a scale and zero per G input columns, default 128), weight-only; w8a8: int8 "
+        "weights x int8 activations (per row, at run time); embeddings, norms and routers "
+        "keep --dtype")
     seed: int = option(0, "engine seed", kind="int")
     tensor_parallel_size: int = option(1, "shard the model over N worker processes",
                                        kind="positive_int",

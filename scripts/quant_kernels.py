@@ -1,4 +1,4 @@
-"""Which weight-only kernel to run on this CPU: time every candidate on LLaDA-8B's projection
+"""Which quantized kernel to run on this CPU: time every candidate on LLaDA-8B's projection
 shapes (each matrix far larger than the caches, so the weight streams from memory on every
 call) at a batch-1 dual-cache window (32 rows) and at batch 8 (256 rows).
 
@@ -7,8 +7,10 @@ call) at a batch-1 dual-cache window (32 rows) and at batch 8 (256 rows).
 Candidates: the bf16 / fp32 GEMM the engine runs unquantized (bf16 prepacked for oneDNN, as
 `FusedLinears.pack` does), torch's packed weight-only kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`), the dequantize-per-call formula `F.linear(x, q.to(dtype)) * s`,
-and (--torchao, if importable) torchao's Int8/Int4WeightOnlyConfig on an nn.Linear.
-Prints ms per call and the weight bytes read per second.
+W8A8 (int8 weights x int8 activations quantized per row inside the call: oneDNN's u8 x s8
+`qlinear_pointwise` and `torch._int_mm`, w8a8_kernels.py), and (--torchao, if importable)
+torchao's Int8/Int4WeightOnlyConfig on an nn.Linear. Prints ms per call, the weight bytes
+read per second and the multiply-accumulate rate (GOP/s, 2 ops a MAC).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch.nn.functional as F
 
 from cover_vllm.models.quant_format import QuantConfig, quantize_rows
 from cover_vllm.models.quant_kernels import Int4CpuKernel, Int8Kernel, TiledKernel
+from cover_vllm.models.w8a8_kernels import IntMMKernel, OnednnKernel
 
-SHAPES = {"qkv": (12288, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SHAPES = {"qkv": (12288, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "head": (126464, 4096)}
 
 
 def best_ms(fn, seconds: float = 1.0) -> float:
@@ -52,6 +56,9 @@ def candidates(w: torch.Tensor, dtype: torch.dtype, use_torchao: bool, slow: boo
     out["int8 dequant F.linear"] = (n8, lambda x: F.linear(x, q8["qweight"].to(dtype))
                                     * q8["weight_scale"])
     out["int8 tiled dequant + GEMM"] = (n8, TiledKernel(q8, QuantConfig("int8"), None))
+    out["w8a8 oneDNN qlinear_pointwise"] = (n8, OnednnKernel(q8["qweight"], q8["weight_scale"],
+                                                             None))
+    out["w8a8 torch._int_mm"] = (n8, IntMMKernel(q8["qweight"], q8["weight_scale"], None))
     q4 = quantize_rows(w, QuantConfig("int4"), dtype)
     n4 = sum(t.numel() * t.element_size() for t in q4.values())
     out["int4 tiled dequant + GEMM"] = (n4, TiledKernel(q4, QuantConfig("int4"), None))
@@ -90,7 +97,9 @@ def main() -> None:
     p.add_argument("--rows", default="32,256")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default="qkv,gate_up,down")
+    p.add_argument("--only", default="", help="comma-separated substrings of the candidate "
+                   "names to time (default: all)")
     p.add_argument("--torchao", action="store_true")
     p.add_argument("--slow", action="store_true", help="also time torch's packed kernels on "
                    "fp32 activations (seconds per call here)")
@@ -103,12 +112,16 @@ def main() -> None:
         w = torch.randn(n, k) * 0.02
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             for name, (nbytes, fn) in candidates(w, dtype, args.torchao, args.slow).items():
+                if args.only and not any(o in name for o in args.only.split(",")):
+                    continue
                 cells = []
                 for m in rows:
                     x = torch.randn(m, k).to(dtype)
                     with torch.no_grad():
                         ms = best_ms(lambda: fn(x))
-                    cells.append(f"M={m}: {ms:7.2f} ms {nbytes / ms / 1e6:5.1f} GB/s")
+                    gops = 2 * m * n * k / ms / 1e6
+                    cells.append(f"M={m}: {ms:7.2f} ms {nbytes / ms / 1e6:5.1f} GB/s "
+                                 f"{gops:5.0f} GOP/s")
                 print(f"{shape:8} {dtype_name(dtype):9} {name:36} " + "  ".join(cells))
 
 

@@ -1,5 +1,6 @@
 """DiffusionGemma's paged route (`encode_paged` / `decode_paged`) against its dense `forward`
-and the golden logits, and tensor parallelism (TP=2 == TP=1) on the golden forward cases.
+and the golden logits, and tensor parallelism (TP=2 == TP=1) on the golden forward cases,
+unquantized, int8 and w8a8 (with the memory plan of a w8a8 rank).
 
 The paged batches here are laid out the way an engine would: every sequence owns scattered
 pages of a shared pool, prompts are encoded in chunks, sequences of different lengths share a
@@ -227,15 +228,12 @@ def test_tensor_parallel_2_equals_1_on_the_golden_forward(model, golden):
             c.close()
 
 
-def test_tensor_parallel_int8_equals_tp1_int8(golden):
-    """Quantized shards hold exactly TP=1's codes (int8 scales by whole rows, also for the
-    experts' down_proj split along its input columns): TP=2 int8 == TP=1 int8 (fp32)."""
-    call = golden_calls(golden)["logits_long"]
-    whole = _rank_model(0, None, "int8")
+def _tp2_and_tp1(call: dict, quantization: str):
+    """(the TP=1 model, its logits of `call`, the two TP=2 ranks, their logits), quantized."""
+    whole = _rank_model(0, None, quantization)
     comms = _connected()
     try:
-        ranks = _in_threads(lambda r: _rank_model(r, comms[r], "int8"), 2)
-        assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
+        ranks = _in_threads(lambda r: _rank_model(r, comms[r], quantization), 2)
 
         def forward(r):
             with torch.no_grad():
@@ -246,7 +244,40 @@ def test_tensor_parallel_int8_equals_tp1_int8(golden):
             c.close()
     with torch.no_grad():
         want = whole(**call)
+    return whole, want, ranks, got
+
+
+def test_tensor_parallel_int8_equals_tp1_int8(golden):
+    """Quantized shards hold exactly TP=1's codes (int8 scales by whole rows, also for the
+    experts' down_proj split along its input columns): TP=2 int8 == TP=1 int8 (fp32)."""
+    _, want, ranks, got = _tp2_and_tp1(golden_calls(golden)["logits_long"], "int8")
+    assert ranks[0].model.decoder.layers[1].experts.down_proj_qweight.shape == (4, 64, 16)
     assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+def test_tensor_parallel_w8a8_equals_tp1_and_the_plan_counts_each_rank(golden):
+    """w8a8 (experts int8 weight-only): row-parallel ranks quantize their input columns with
+    the whole row's scale and sum integer sums, so TP=2 == TP=1 up to the experts' fp32
+    partial sums (measured 6.7e-6); the memory plan's bytes per rank are what a rank holds
+    (oneDNN's blocks of its shard, whole per-channel scales of row-split weights, the copied
+    kv head), exactly."""
+    from cover_vllm.models.layers import projection_groups
+    from cover_vllm.worker.memory import weight_bytes
+
+    whole, want, ranks, got = _tp2_and_tp1(golden_calls(golden)["logits_long"], "w8a8")
+    assert torch.equal(got[0], got[1])
+    assert (got[0] - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+    def held(model) -> int:
+        kernels = sum(g.quant.kernel.nbytes() for g in projection_groups(model))
+        experts = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                      if ".experts." in n)
+        return sum(p.numel() * p.element_size() for p in model.parameters()) + kernels + experts
+    meta = build_model(ModelSpec.from_config(resolve_model(str(DIR / "model")).config),
+                       torch.float32, "meta")
+    quantize_model(meta, "w8a8")
+    assert weight_bytes(meta, 1)[0] == held(whole)
+    assert weight_bytes(meta, 2) == (held(ranks[0]), 2 * held(ranks[1]))
 
 
 def test_tensor_parallel_kv_head_rule():

@@ -238,7 +238,7 @@ def test_golden_logits_int8_against_fp32(family):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 def test_quantized_cover_tiny_solves_tasks_with_cover_and_dual_cache(method):
     from cover_vllm.tasks import chat_prompt_ids, get_task
 
@@ -256,14 +256,17 @@ def test_quantized_cover_tiny_solves_tasks_with_cover_and_dual_cache(method):
 
 
 @pytest.mark.slow   # worker processes; a 0.30 B-parameter (1.2 GB fp32) written checkpoint
-def test_tp2_equals_tp1_int8_on_a_300m_checkpoint(tmp_path):
-    """int8 in fp32 activations: a rank's codes and scales are TP=1's (full-row scales), so
-    only the row-parallel partial sums' order differs, and the tokens are the same."""
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_tp2_equals_tp1_int8_on_a_300m_checkpoint(tmp_path, method):
+    """int8 / w8a8 in fp32 activations: a rank's codes and scales are TP=1's (full-row
+    scales; w8a8's row-parallel inputs are scaled by the whole row's max |x|, a max
+    all-reduce), so only the row-parallel partial sums' order differs, and the tokens are
+    the same."""
     write_checkpoint(CheckpointSpec(resolve_model("llada-300m").config, torch.float32,
                                     progress=False), tmp_path)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 12, 13]}]
     kw = dict(num_threads=1, kv_cache_memory_bytes=32 << 20, seed=3, dtype="float32",
-              quantization="int8")
+              quantization=method)
     tokens = {}
     for world in (1, 2):
         llm = LLM(str(tmp_path), tensor_parallel_size=world, **kw)
@@ -279,20 +282,28 @@ def test_tp2_equals_tp1_int8_on_a_300m_checkpoint(tmp_path):
         assert tokens[2, decoding] == tokens[1, decoding], decoding
 
 
-def test_cover_tiny_logits_int8_against_fp32():
-    """A trained model: 120 task prompts with masked answers (40 per task), every real
-    position. Measured: int8 max |d| 0.56, mean 0.020, argmax 99.72 % (head kept in fp32:
-    0.53 / 0.014 / 99.76 %); int4 6.5 / 0.29 / 97.2 % (head in fp32: 97.3 %)."""
+def cover_tiny_task_rows(per_task: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """cover-tiny's task prompts with every answer position masked, padded into one batch:
+    (ids [3 * per_task, L], attention mask [3 * per_task, L])."""
     from cover_vllm.models.builtin import resolve_model_dir
     from cover_vllm.tasks import chat_prompt_ids, get_task
     from cover_vllm.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_dir("cover-tiny"))
     rows = [chat_prompt_ids(tok, ex.prompt) + [2] * task.max_tokens       # 2: cover-tiny's mask
-            for task in map(get_task, ("sudoku4", "arith", "word")) for ex in task.eval_split(40)]
+            for task in map(get_task, ("sudoku4", "arith", "word"))
+            for ex in task.eval_split(per_task)]
     width = max(map(len, rows))
     ids = torch.tensor([r + [2] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask
+
+
+def test_cover_tiny_logits_int8_against_fp32():
+    """A trained model: 120 task prompts with masked answers (40 per task), every real
+    position. Measured: int8 max |d| 0.56, mean 0.020, argmax 99.72 % (head kept in fp32:
+    0.53 / 0.014 / 99.76 %); int4 6.5 / 0.29 / 97.2 % (head in fp32: 97.3 %)."""
+    ids, mask = cover_tiny_task_rows()
     with torch.no_grad():
         want = load_model("cover-tiny")(ids, attention_mask=mask)
         got = load_quantized_model("cover-tiny", "int8")(ids, attention_mask=mask)
@@ -327,7 +338,7 @@ def test_quantized_load_peaks_at_the_quantized_bytes(tmp_path):
     index = write_checkpoint(CheckpointSpec(resolve_model("llada-300m").config, torch.float32,
                                             progress=False), tmp_path)
     fp32 = index["metadata"]["total_size"]
-    for method in ("int8", "int4"):
+    for method in ("int8", "int4", "w8a8"):
         proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path), method],
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]

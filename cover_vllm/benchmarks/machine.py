@@ -22,14 +22,33 @@ def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = PEAK_G
     denominator of rows in that dtype): the best of repeated timings over about `seconds`."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    a @ b                                                  # warm-up (and oneDNN's plan)
+    return 2 * size ** 3 / _best_seconds(lambda: a @ b, seconds) / 1e9
+
+
+def measure_int8_gops(size: int = PEAK_GEMM_SIZE, seconds: float = 0.5) -> float | None:
+    """Sustained rate (GOP/s, 2 per multiply-accumulate) of W8A8's int8 GEMM, size³, codes
+    already quantized (models/w8a8_kernels.py `OnednnKernel.matmul_codes`): the MFU
+    denominator of W8A8 rows. None where oneDNN's int8 ops are unusable."""
+    from cover_vllm.models.w8a8_kernels import OnednnKernel, onednn_problem
+
+    if onednn_problem() is not None:
+        return None
+    q = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    codes = torch.randint(1, 256, (size, size), dtype=torch.uint8)
+    kernel = OnednnKernel(q, torch.ones(size), None)
+    return 2 * size ** 3 / _best_seconds(lambda: kernel.matmul_codes(codes, kernel.w_scale),
+                                         seconds) / 1e9
+
+
+def _best_seconds(fn, seconds: float) -> float:
+    fn()                                                   # warm-up (and oneDNN's plan)
     best, spent = float("inf"), 0.0
     while spent < seconds or best == float("inf"):
         start = time.perf_counter()
-        a @ b
+        fn()
         took = time.perf_counter() - start
         best, spent = min(best, took), spent + took
-    return 2 * size ** 3 / best / 1e9
+    return best
 
 
 def measure_read_gbps(nbytes: int = STREAM_BYTES, seconds: float = 0.5) -> float:
@@ -37,14 +56,7 @@ def measure_read_gbps(nbytes: int = STREAM_BYTES, seconds: float = 0.5) -> float
     the current torch thread count. A forward streams every weight once, so at small batches
     this, not the GEMM peak, bounds the step (`mfu_bound`)."""
     x = torch.ones(nbytes // 4)
-    x.sum()
-    best, spent = float("inf"), 0.0
-    while spent < seconds or best == float("inf"):
-        start = time.perf_counter()
-        x.sum()
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-    return nbytes / best / 1e9
+    return nbytes / _best_seconds(x.sum, seconds) / 1e9
 
 
 def mfu_bound(flops: float, weight_bytes: float, peak_gflops: float, read_gbps: float) -> float:
@@ -82,13 +94,16 @@ def pin_threads(model: str, requested: int | None) -> int:
 
 
 def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,),
-                 read_rate: bool = True) -> dict:
+                 read_rate: bool = True, int8: bool = False) -> dict:
     """Cores, threads, torch version, the peak GEMM rate (GFLOP/s) in fp32 and in every dtype
-    of `dtypes`, keyed by dtype name, and the memory read rate (GB/s; `read_rate=False` skips
-    its 256 MiB probe, e.g. where peak memory is being measured)."""
+    of `dtypes`, keyed by dtype name (`int8`: also W8A8's int8 GEMM, GOP/s, key "int8"), and
+    the memory read rate (GB/s; `read_rate=False` skips its 256 MiB probe, e.g. where peak
+    memory is being measured)."""
     peaks = {}
     for dtype in dict.fromkeys((torch.float32, *dtypes)):
         peaks[dtype_name(dtype)] = round(measure_matmul_gflops(dtype), 1)
+    if int8 and (rate := measure_int8_gops()) is not None:
+        peaks["int8"] = round(rate, 1)
     return {"cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "matmul_gflops": peaks,
             "read_gbps": round(measure_read_gbps(), 1) if read_rate else None}

@@ -6,7 +6,8 @@ loading and after generating, then one COVER + dual-cache generation at batch 1 
 batch 4 (`output_len` tokens, one block, random prompt ids, EOS ignored): seconds per engine
 step (all steps, and window steps without the block-start refresh), output tokens/s, MFU and
 MBU (the weight bytes a step reads as stored, quantized or not, over the measured read rate;
-`--quantization` runs the weight-only int8 / int4 model).
+`--quantization` runs the int8 / int4 / w8a8 model; a w8a8 row's MFU is against the measured
+int8 GEMM peak, `mfu_dtype` against the model dtype's).
 `logits_path` saves the driver's logits of the very first forward (batch 1) so two runs, e.g.
 TP=1 and TP=2, can be compared (`compare_logits`).
 
@@ -40,7 +41,7 @@ GiB = 1 << 30
 class ScaleSpec:
     model: str
     dtype: str = "auto"
-    quantization: str | None = None        # weight-only int8 / int4 (EngineConfig)
+    quantization: str | None = None        # int8 / int4 / w8a8 (EngineConfig)
     tensor_parallel_size: int = 1
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float | None = None   # None: the engine default (0.9)
@@ -158,17 +159,20 @@ def _roofline(llm: LLM, report: dict) -> None:
     """MFU (model FLOPs / step time / the GEMM peak in the model dtype) and MBU (weight bytes a
     step reads, quantized as stored, / step time / the read rate) of every generate row; the
     probes run after the peak memory was read, so they do not count in it."""
-    config = llm.engine.config
+    config, quant = llm.engine.config, llm.engine.quantization
     dtype = resolve_dtype(config.dtype, llm.engine.spec, config.device)
-    machine = machine_info((dtype,))
-    peak, read = machine["matmul_gflops"][dtype_name(dtype)], machine["read_gbps"]
-    per_forward = forward_weight_bytes(llm.engine.flop_model, dtype, llm.engine.quantization)
+    w8a8 = quant is not None and quant.method == "w8a8"
+    machine = machine_info((dtype,), int8=True)
+    peaks = machine["matmul_gflops"]
+    peak, read = peaks[dtype_name(dtype)], machine["read_gbps"]
+    per_forward = forward_weight_bytes(llm.engine.flop_model, dtype, quant)
     report["machine"] = machine
     report["weight_bytes_per_forward"] = per_forward
     for row in report["generate"]:
-        row["mfu"] = row["flops"] / row["busy_s"] / (peak * 1e9)
+        rate = row["flops"] / row["busy_s"] / 1e9
+        row["mfu"] = rate / (peaks.get("int8", peak) if w8a8 else peak)   # its own arithmetic
+        row["mfu_dtype"] = rate / peak                                    # against `dtype`'s
         row["mbu"] = row["steps"] * per_forward / row["busy_s"] / (read * 1e9)
-
 
 
 def format_scale(report: dict) -> str:
@@ -180,12 +184,17 @@ def format_scale(report: dict) -> str:
              f"load {report['load_s']:.1f} s, weights {report['weight_bytes'] / GiB:.2f} GiB, "
              f"KV {report['kv_bytes'] / GiB:.2f} GiB ({report['kv_pages']} pages), "
              f"peak RSS per rank [{peaks}] GiB",
+             "peak GEMM rate " + ", ".join(f"{name} {rate}" for name, rate in
+                                           report["machine"]["matmul_gflops"].items())
+             + " GOP/s (MFU: against the peak of the arithmetic the projections run in; "
+             "MFU dtype: against the model dtype's)",
              "| batch | steps | s/step | s/window step | tokens/s | NFE | GFLOP/token | MFU | "
-             "MBU |", "|---|---|---|---|---|---|---|---|---|"]
+             "MFU dtype | MBU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["generate"]:
         lines.append(f"| {r['batch_size']} | {r['steps']} | {r['step_s']:.2f} | "
                      f"{r['window_step_s']:.2f} | {r['tokens_per_s']:.2f} | {r['nfe']:.0f} | "
-                     f"{r['flops_per_token'] / 1e9:.2f} | {r['mfu']:.1%} | {r['mbu']:.1%} |")
+                     f"{r['flops_per_token'] / 1e9:.2f} | {r['mfu']:.1%} | "
+                     f"{r['mfu_dtype']:.1%} | {r['mbu']:.1%} |")
     return "\n".join(lines)
 
 

@@ -68,6 +68,18 @@ class GroupComm:
         self._pg.allreduce([tensor]).wait()
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place elementwise max over the ranks; returns `tensor` (W8A8's row-parallel
+        activation scales: models/w8a8_kernels.py)."""
+        if self.world_size == 1:
+            return tensor
+        if self._pg is None:
+            raise RuntimeError(f"rank {self.rank}: collective before the group was connected")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._pg.allreduce([tensor], opts).wait()
+        return tensor
+
     def close(self) -> None:
         """Drop the group and the store (closes this rank's sockets)."""
         pg, self._pg, self._store = self._pg, None, None

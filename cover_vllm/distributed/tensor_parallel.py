@@ -14,7 +14,10 @@ knows no model family and tests no module type. A module without a plan is repli
   concatenated, so it holds its own q, k and v heads in the same layout at 1/N the size.
 * `row` (input columns sliced, partial outputs summed by an all-reduce in a forward hook):
   attention output and MLP down projections. A row-parallel bias is kept on rank 0 only (zeroed
-  elsewhere) so the sum adds it once.
+  elsewhere) so the sum adds it once. Such a Linear gets `reduce_input_amax` (a max
+  all-reduce) and `reduce_output` (the sum): a W8A8 kernel quantizes its input slice with the
+  whole row's scale and sums the ranks' integer sums itself (then `output_reduced` tells the
+  hook to skip): models/w8a8_kernels.py.
 * `row_unreduced`: row-parallel without the all-reduce; a parent declaring `reduce_output`
   sums once at its own output instead (a sparse MoE block: the router is replicated, so every
   rank routes identically, and its experts' partial outputs are reduced once, not per expert).
@@ -144,7 +147,11 @@ def collect_plan(model: nn.Module) -> TPPlan:
             plan.splits.append(split)
         for attr, (dim, pieces) in declared.param_splits.items():
             param = getattr(module, attr, None)
-            if not isinstance(param, nn.Parameter) or sum(pieces) != param.shape[dim]:
+            # quantized (models/stacked_experts.py): the weight is its codes' buffers now, and
+            # the declared pieces still say how it was split (a memory plan's param_slices)
+            quantized = param is None and getattr(module, "quant_config", None) is not None
+            if not quantized and (not isinstance(param, nn.Parameter)
+                                  or sum(pieces) != param.shape[dim]):
                 raise ValueError(f"{type(module).__name__} ({where}) declares param_splits "
                                  f"{attr}={(dim, pieces)}, which is not one of its parameters "
                                  "or does not add up to its size along that dim")
@@ -252,7 +259,15 @@ class TensorParallel:
         self.rank, self.world_size, self.comm = rank, world_size, comm
 
     def _all_reduce_hook(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if getattr(module, "output_reduced", False):      # its kernel summed the ranks' exact
+            return output                                 # integer sums (W8A8)
         return self.comm.all_reduce(output)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(t)
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_max(t)
 
     @torch.no_grad()
     def shard(self, model: nn.Module) -> None:
@@ -271,9 +286,11 @@ class TensorParallel:
                 linear.out_features = linear.weight.shape[0]
                 continue
             linear.in_features = linear.weight.shape[1]
+            linear.reduce_input_amax = self._all_reduce_max     # W8A8: TP=1's row scales
             if linear.bias is not None and rank != 0:
                 linear.bias.zero_()                   # added once, by rank 0, before the sum
             if split.reduce:
+                linear.reduce_output = self._all_reduce         # W8A8: sums its int32 sums
                 linear.register_forward_hook(self._all_reduce_hook)
         for ps in plan.params:
             sl = _pieces_slice(ps.dim, ps.pieces, rank, n)

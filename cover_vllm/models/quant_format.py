@@ -1,6 +1,7 @@
-"""The weight-only quantization format: the config parsed from `quantization=`, and the math
-that turns a float weight into codes and scales and back (models/quantization.py has the
-formats' description; quant_kernels.py runs the matmuls).
+"""The quantization formats: the config parsed from `quantization=`, and the math that turns a
+float weight into codes and scales and back, and (W8A8) an activation row into int8 codes and a
+scale (models/quantization.py has the formats' description; quant_kernels.py and
+w8a8_kernels.py run the matmuls).
 """
 
 from __future__ import annotations
@@ -11,22 +12,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)       # what torch's CPU int4 kernel accepts
 DEFAULT_GROUP_SIZE = 128
-QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero")
-_ALLOWED = "None, 'int8', 'int4' or 'int4:G' (G = 32, 64, 128 or 256 input columns per scale)"
+QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero", "qresidual")
+EMBEDDING_RESIDUAL_STEPS = 14   # w8a8's embedding: the residual's step is 1/14 of int8's
+_ALLOWED = ("None, 'int8', 'int4', 'int4:G' (G = 32, 64, 128 or 256 input columns per scale) "
+            "or 'w8a8'")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """One model's weight-only quantization (`parse_quantization` builds it from the option)."""
+    """One model's quantization (`parse_quantization` builds it from the option). "w8a8" stores
+    int8's weights and also quantizes every projection's input per row at run time."""
 
-    method: str                             # "int8" | "int4"
+    method: str                             # "int8" | "int4" | "w8a8"
     group_size: int = DEFAULT_GROUP_SIZE    # int4: input columns sharing a scale and zero
     lm_head: bool = True                    # quantize the LM head too (see the module doc)
+    embedding: bool | None = None           # the input embedding table in 12 bits a value
+                                            # (`quantize_embedding_rows`); None: w8a8 does,
+                                            # int8 / int4 do not
     explicit_group: bool = field(default=False, compare=False)   # "int4:G" given: a family's
                                             # own int4 group (registry `int4_group`) does not apply
+
+    @property
+    def quantizes_embedding(self) -> bool:
+        return self.method == "w8a8" if self.embedding is None else self.embedding
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -37,11 +48,16 @@ class QuantConfig:
 
     @property
     def label(self) -> str:
-        return "int8" if self.method == "int8" else f"int4:{self.group_size}"
+        return f"int4:{self.group_size}" if self.method == "int4" else self.method
+
+    @property
+    def per_channel(self) -> bool:
+        """int8 codes with one scale per output channel (int8 and w8a8)."""
+        return self.method != "int4"
 
     def storage(self, n: int, k: int, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
         """Buffer name -> (shape, dtype) of one quantized [n, k] weight in a `dtype` model."""
-        if self.method == "int8":
+        if self.per_channel:
             return {"qweight": ((n, k), torch.int8), "weight_scale": ((n,), dtype)}
         groups = k // self.group_size
         return {"qweight": ((n, k // 2), torch.uint8), "weight_scale": ((n, groups), dtype),
@@ -50,13 +66,13 @@ class QuantConfig:
     def bytes_per_weight(self, itemsize: int) -> float:
         """Bytes stored (and read by a forward) per weight, scales included (int8's one scale a
         row is left out: under 1 % of a row of >= 128 columns)."""
-        if self.method == "int8":
+        if self.per_channel:
             return 1.0
         return 0.5 + 2 * itemsize / self.group_size
 
 
 def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
-    """The `quantization` option: None / "none", "int8", "int4" or "int4:G"."""
+    """The `quantization` option: None / "none", "int8", "int4", "int4:G" or "w8a8"."""
     if value is None or isinstance(value, QuantConfig):
         return value
     if not isinstance(value, str):
@@ -64,8 +80,8 @@ def parse_quantization(value: str | QuantConfig | None) -> QuantConfig | None:
     method, _, group = value.strip().lower().partition(":")
     if method == "none" and not group:
         return None
-    if method == "int8" and not group:
-        return QuantConfig("int8")
+    if method in ("int8", "w8a8") and not group:
+        return QuantConfig(method)
     if method == "int4":
         if not group:
             return QuantConfig("int4")
@@ -82,7 +98,7 @@ def quantize_rows(w: torch.Tensor, config: QuantConfig, dtype: torch.dtype,
     `amax` [n] (int8): the rows' max |w| to scale by, when w is a slice of longer rows (a
     row-parallel rank's columns: the scale of the whole row, so the rank's codes are TP=1's)."""
     w = w.to(torch.float32, copy=True)             # every step below works in place on it
-    if config.method == "int8":
+    if config.per_channel:
         amax = w.abs().amax(dim=1) if amax is None else amax.float()
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)   # [n]
         q = w.div_(scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
@@ -112,7 +128,7 @@ def dequantize(t: dict[str, torch.Tensor], config: QuantConfig) -> torch.Tensor:
     """The weight [n, k] the buffers stand for, in the scales' dtype: the slow reference every
     kernel is checked against."""
     scale = t["weight_scale"]
-    if config.method == "int8":
+    if config.per_channel:
         return (t["qweight"].float() * scale.float()[:, None]).to(scale.dtype)
     codes = unpack_nibbles(t["qweight"]).float()
     n, k = codes.shape
@@ -130,11 +146,74 @@ def linear_buffers(linear: nn.Linear) -> dict[str, torch.Tensor]:
             if (buf := linear._buffers.get(name)) is not None}
 
 
-def is_quantized(linear: nn.Module) -> bool:
-    return isinstance(linear, nn.Linear) and "qweight" in linear._buffers
+def is_quantized(module: nn.Module) -> bool:
+    """A Linear (or, w8a8, an Embedding) whose weight is quantized buffers."""
+    return isinstance(module, (nn.Linear, nn.Embedding)) and "qweight" in module._buffers
+
+
+# ---- w8a8's embedding table: 12 bits a value ------------------------------------------------
+
+def embedding_storage(v: int, d: int, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Buffer name -> (shape, dtype) of a quantized [v, d] embedding table (d even)."""
+    return {"qweight": ((v, d), torch.int8), "qresidual": ((v, d // 2), torch.uint8),
+            "weight_scale": ((v,), dtype)}
+
+
+def quantize_embedding_rows(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """w [v, d] -> int8 codes per row (as int8 weights), plus the residual w - q * s in 4 bits
+    (codes -7..7 of step s / 14, stored + 8 as nibbles): |error| <= s / 28, about 1/14 of int8's
+    and below bf16's own rounding. A row is looked up once per token, so only memory counts:
+    12 bits a value, where int8 rows alone moved cover-tiny's accuracy by up to 1.7 points
+    (docs/benchmarks.md "W8A8")."""
+    t = quantize_rows(w, QuantConfig("int8"), dtype)
+    scale = t["weight_scale"].float()[:, None]
+    residual = w.float() - t["qweight"].float() * scale                  # |r| <= s / 2
+    steps = residual.mul_(EMBEDDING_RESIDUAL_STEPS).div_(scale).round_().clamp_(-7, 7)
+    t["qresidual"] = pack_nibbles(steps.add_(8).to(torch.uint8))
+    return t
+
+
+def dequantize_embedding(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The rows [v, d] the buffers of `quantize_embedding_rows` stand for, in the scales'
+    dtype (one rounding)."""
+    scale = t["weight_scale"]
+    fine = unpack_nibbles(t["qresidual"]).float().sub_(8).div_(EMBEDDING_RESIDUAL_STEPS)
+    return ((t["qweight"].float() + fine) * scale.float()[:, None]).to(scale.dtype)
+
+
+def embedding_lookup(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """A quantized Embedding's forward: the rows of `ids` [...] dequantized -> [..., d] in
+    the model dtype (`dequantize_embedding`)."""
+    flat = ids.reshape(-1)
+    rows = {name: buf[flat] for name, buf in linear_buffers(embedding).items()}
+    return dequantize_embedding(rows).view(*ids.shape, -1)
 
 
 def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [T, in] -> [T, out] through the dequantized weight: F.linear, nothing fused."""
-    w = dequantize(linear_buffers(linear), linear.quant_config)
-    return F.linear(x, w.to(x.dtype), linear.bias)
+    """x [T, in] -> [T, out] through the dequantized weight: F.linear, nothing fused. W8A8: the
+    input quantized per row first (`quantize_activations`), the product in fp32."""
+    config, bufs = linear.quant_config, linear_buffers(linear)
+    if config.method != "w8a8":
+        return F.linear(x, dequantize(bufs, config).to(x.dtype), linear.bias)
+    codes, scale = quantize_activations(x)
+    w = bufs["qweight"].float() * bufs["weight_scale"].float()[:, None]     # fp32, unrounded
+    bias = None if linear.bias is None else linear.bias.float()
+    return F.linear(codes.float() * scale, w, bias).to(x.dtype)
+
+
+# ---- W8A8: activations quantized per row at run time ---------------------------------------
+
+def quantize_activations(x: torch.Tensor, amax: torch.Tensor | None = None,
+                         zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, k] (any float dtype) -> (codes [T, k], scale fp32 [T, 1]): symmetric per row,
+    x ~ codes * scale, codes in [-127, 127], scale = max|x_row| / 127 (an all-zero row: 1).
+    `zero_point` 128 returns codes + 128 as uint8 (oneDNN's u8 input), 0 int8 codes.
+    `amax` [T, 1]: the rows' max |x| to scale by instead, when x holds a slice of longer rows
+    (a row-parallel rank's input columns: TP=1's scales, so the codes are TP=1's)."""
+    if amax is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    codes = x.to(torch.float32, copy=True).div_(scale).round_().clamp_(-127, 127)
+    if zero_point:
+        return codes.add_(zero_point).to(torch.uint8), scale
+    return codes.to(torch.int8), scale

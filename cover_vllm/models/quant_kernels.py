@@ -1,4 +1,5 @@
-"""The matmuls of weight-only quantized projections, and the storage of one quantized group.
+"""The matmuls of weight-only quantized projections, and the storage of one quantized group
+(W8A8's matmuls: w8a8_kernels.py, chosen here by `make_kernel` too).
 
 `QuantizedGroup` is the quantized half of a `FusedLinears` group (`FusedLinears.quant`): `fuse`
 lays its Linears' buffers (and biases) side by side in one tensor each, as FusedLinears does for
@@ -22,7 +23,8 @@ q|k|v [12288, 4096], ms per call at 32 / 256 rows; docs/benchmarks.md "Quantized
 So on a CPU: int8 -> `TiledKernel`; int4 -> torch's int4 pack in bf16 (fp16), `TiledKernel` in
 fp32. No quantized kernel beats the bf16 GEMM on this CPU: its BF16 dot products make a 32-row
 bf16 window read-bound at ~13 GB/s, while every weight-only kernel spends more time widening
-codes than it saves in bytes. Quantization here buys memory, not speed.
+codes than it saves in bytes. Weight-only quantization here buys memory, not speed (W8A8's
+int8 arithmetic buys both: w8a8_kernels.py).
 
 * `TiledKernel`: dequantize TILE_BYTES of rows into the activations' dtype (in cache) and run
   torch's GEMM on them (F.linear: oneDNN / MKL), tile by tile.
@@ -47,6 +49,7 @@ from torch import nn
 
 from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buffers,
                                             reference_linear, unpack_nibbles)
+from cover_vllm.models.w8a8_kernels import RowParallel, make_w8a8_kernel
 
 PACK_ROWS = 1024         # rows converted at once by the in-place CPU int4 pack (a multiple of 64)
 INT4_ROW_MULTIPLE = 16   # torch's int4 kernels need N % 16 == 0 on CPU (N % 8 on CUDA)
@@ -116,7 +119,12 @@ class QuantizedGroup:
             tensors = {n: torch.cat([lin._buffers[n] for lin in self.linears]) for n in names}
             biases = [lin.bias for lin in self.linears]
             bias = None if any(b is None for b in biases) else torch.cat(biases)
-        self.kernel = make_kernel(tensors, self.config, bias)
+        lin = self.linears[0]
+        amax = getattr(lin, "reduce_input_amax", None)            # row-parallel (TP)
+        row = None if amax is None else RowParallel(amax, getattr(lin, "reduce_output", None))
+        self.kernel = make_kernel(tensors, self.config, bias, row)
+        if getattr(self.kernel, "reduces_output", False):
+            lin.output_reduced = True                    # TP's hook: already summed (exactly)
         self.fused = {}
         for lin in self.linears:
             for name, buf in linear_buffers(lin).items():
@@ -131,10 +139,14 @@ class QuantizedGroup:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None):
+def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None,
+                row: RowParallel | None = None):
     """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device and the
-    model dtype (the scales'), as measured (module doc)."""
+    model dtype (the scales'), as measured (module doc; W8A8: w8a8_kernels.py, `row` the
+    collectives of a row-parallel projection)."""
     device, dtype = t["qweight"].device.type, t["weight_scale"].dtype
+    if config.method == "w8a8":
+        return make_w8a8_kernel(t, bias, row)
     if device == "cpu":
         if config.method == "int4" and dtype in (torch.bfloat16, torch.float16):
             return Int4CpuKernel(t, config.group_size, bias)

@@ -85,26 +85,33 @@ class MemoryPlan:
                 f"(budget {self.capacity_bytes / GiB:.2f} GiB)")
 
 
-def weight_bytes(model: torch.nn.Module, world_size: int) -> tuple[int, int]:
+def weight_bytes(model: torch.nn.Module, world_size: int,
+                 device: str = "cpu") -> tuple[int, int]:
     """(bytes of one rank, bytes of all ranks) of a meta model split over `world_size` ranks
-    (a quantized Linear's buffers count as its weight: models/quantization.py)."""
+    on `device` (a quantized Linear's buffers count as its weight, and a W8A8 kernel's own
+    copy of them as what it keeps: models/quantization.py `kernel_extra_bytes`)."""
     from cover_vllm.distributed.tensor_parallel import param_slices
-    from cover_vllm.models.quantization import quantized_tensors
+    from cover_vllm.models.quantization import kernel_extra_bytes, quantized_tensors
 
     named = [*model.named_parameters(), *quantized_tensors(model)]
     if world_size == 1:
         total = sum(p.numel() * p.element_size() for _, p in named)
+        total += kernel_extra_bytes(model, device)
         return total, total
     sliced = param_slices(model, 0, world_size)
+    extra = kernel_extra_bytes(model, device, sliced)
     sharded = replicated = 0                      # sharded: one rank's share of the split
     for name, p in named:
         nbytes = p.numel() * p.element_size()
         sl = sliced.get(name)
-        if sl is not None and not sl.zero:        # its size / full: 1/N, or a copied kv head
-            sharded += nbytes * sl.size // sl.full
+        # a quantized weight's buffers share its name, and a per-channel scale [n] of an
+        # input-column split is whole on every rank (it has no dim `sl.dim`)
+        if sl is not None and not sl.zero and p.dim() > sl.dim:
+            sharded += nbytes * sl.size // sl.full    # 1/N, or a copied kv head
         else:
             replicated += nbytes
-    return sharded + replicated, (sharded + replicated) * world_size
+    per_rank = sharded + replicated + extra
+    return per_rank, per_rank * world_size
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:
@@ -131,7 +138,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     per_token = layout.bytes_per_token(dtype)
     ring_bytes = layout.ring_bytes(dtype)
     page_bytes = per_token * config.page_size
-    per_rank, all_ranks = weight_bytes(model, n)
+    per_rank, all_ranks = weight_bytes(model, n, str(config.device))
     capacity, shared = _capacity(config)
     weights = all_ranks if shared else per_rank
     share = 1 if shared else n                   # a device holds 1/n of the pool
@@ -145,7 +152,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
             f"of the {where} allows {capacity / GiB:.2f} GiB; use "
             + ("a smaller dtype (bfloat16), " if dtype == torch.float32 else "")
-            + ("" if _is_quantized(model) else "weight-only quantization (quantization='int8' "
+            + ("" if _is_quantized(model) else "quantization (quantization='w8a8', 'int8' "
                "or 'int4'), ")
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:

@@ -60,7 +60,7 @@ class Worker:
         if torch.device(device).type == "cpu":
             map_large_allocations()             # weights and load temporaries: their own pages
         materialize(model, device)                              # this rank's shard only
-        load_quantized(model, source, slices)                   # = load_into if unquantized
+        load_quantized(model, source, slices, pack=True)        # = load_into if unquantized
         pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
         if torch.device(device).type == "cpu":                  # the kernel's layout
             keep_activations_on_heap()          # after the weights: see there
