@@ -142,3 +142,12 @@ def test_stop_strings_chat_and_the_structured_outputs_refusal(worded):
         "messages": [{"role": "user", "content": "w7"}], "max_tokens": 16,
         "response_format": {"type": "json_object"}})
     assert schema.status_code == 400 and "uniform-state" in schema.json()["error"]["message"]
+    image = _post(worded, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "w7"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+        "max_tokens": 16})
+    assert image.status_code == 400 and "image_url" in image.json()["error"]["message"]
+    assert _post(worded, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "w7"}], "max_tokens": 16,
+        "decoding_params": {"max_denoising_steps": 2}}).status_code == 200

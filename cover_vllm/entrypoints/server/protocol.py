@@ -225,6 +225,12 @@ def _content_text(content: Any) -> str:
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
         return "".join(p["text"] for p in content)
+    if isinstance(content, list):
+        kinds = sorted({p.get("type") for p in content if isinstance(p, dict)} - {"text"}, key=str)
+        if kinds:
+            raise ValueError(f"content parts of type {kinds} are not supported: the models "
+                             "served here take text only (image inputs included: a "
+                             "DiffusionGemma checkpoint's vision tower is not loaded)")
     raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
 
 
