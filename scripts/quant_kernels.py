@@ -8,7 +8,8 @@ Candidates: the bf16 / fp32 GEMM the engine runs unquantized (bf16 prepacked for
 `FusedLinears.pack` does), torch's packed weight-only kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`), the dequantize-per-call formula `F.linear(x, q.to(dtype)) * s`,
 W8A8 (int8 weights x int8 activations quantized per row inside the call: oneDNN's u8 x s8
-`qlinear_pointwise` and `torch._int_mm`, w8a8_kernels.py), and (--torchao, if importable)
+`qlinear_pointwise` with and without the input rotation w8a8 runs, and `torch._int_mm`,
+w8a8_kernels.py), and (--torchao, if importable)
 torchao's Int8/Int4WeightOnlyConfig on an nn.Linear. Prints ms per call, the weight bytes
 read per second and the multiply-accumulate rate (GOP/s, 2 ops a MAC).
 """
@@ -21,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quant_format import QuantConfig, quantize_rows
+from cover_vllm.models.quant_format import QuantConfig, quantize_rows, rotation_block
 from cover_vllm.models.quant_kernels import Int4CpuKernel, Int8Kernel, TiledKernel
 from cover_vllm.models.w8a8_kernels import IntMMKernel, OnednnKernel
 
@@ -58,6 +59,9 @@ def candidates(w: torch.Tensor, dtype: torch.dtype, use_torchao: bool, slow: boo
     out["int8 tiled dequant + GEMM"] = (n8, TiledKernel(q8, QuantConfig("int8"), None))
     out["w8a8 oneDNN qlinear_pointwise"] = (n8, OnednnKernel(q8["qweight"], q8["weight_scale"],
                                                              None))
+    block = rotation_block(w.shape[1])
+    out[f"w8a8 oneDNN, input rotated (blocks of {block})"] = (n8, OnednnKernel(
+        q8["qweight"], q8["weight_scale"], None, None, block))
     out["w8a8 torch._int_mm"] = (n8, IntMMKernel(q8["qweight"], q8["weight_scale"], None))
     q4 = quantize_rows(w, QuantConfig("int4"), dtype)
     n4 = sum(t.numel() * t.element_size() for t in q4.values())

@@ -2,13 +2,16 @@
 projection kept int8 weight-only or the down projections smoothed (docs/benchmarks.md "W8A8").
 
     .venv/bin/python scripts/w8a8_flips.py --task arith --decoding entropy \\
-        [--keep down,head] [--smoothquant proxy|calibrated --alpha 0.5] [--fp32-embedding] [--seed 1]
+        [--keep down,head] [--smoothquant proxy|calibrated --alpha 0.5] [--fp32-embedding] \\
+        [--no-rotation] [--seed 1]
 
 Runs fp32 first, then w8a8 (the variant) on the same problems (the held-out split, or `--num`
 fresh draws from `--seed`), the way `cover-vllm eval` runs a row (`eval.evaluate_one`, kv_cache
 none, fp32 activations, one thread), and prints each decoder's accuracy and the problems it
 lost and gained against fp32. `--keep` roles: qkv, out, gate_up, down, head
 (w8a8_outliers.roles); those groups get int8's weight-only kernel instead (same codes).
+`--no-rotation`: w8a8 without its input rotation (`QuantConfig(rotation=False)`), as it
+shipped first.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--fp32-embedding", action="store_true", help="keep the embedding table "
                    "in the model dtype (QuantConfig(embedding=False))")
+    p.add_argument("--no-rotation", action="store_true", help="w8a8 without the input "
+                   "rotation (QuantConfig(rotation=False))")
     args = p.parse_args()
     torch.set_num_threads(1)
     task, decodings = get_task(args.task), args.decoding.split(",")
@@ -75,7 +80,8 @@ def main() -> None:
     want = solved("cover-tiny", None, task, examples, decodings)
     if args.keep:
         keep_weight_only(set(args.keep.split(",")))
-    quantization = QuantConfig("w8a8", embedding=False) if args.fp32_embedding else "w8a8"
+    quantization = QuantConfig("w8a8", embedding=False if args.fp32_embedding else None,
+                               rotation=False if args.no_rotation else None)
     with tempfile.TemporaryDirectory() as tmp:
         model = "cover-tiny"
         if args.smoothquant:

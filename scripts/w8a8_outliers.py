@@ -12,12 +12,14 @@ recorded from the fp32 model (FusedLinears calls), and for each projection:
 * row crest: max|x_row| / rms(x_row) (the int8 step is max/127: a crest of c leaves ~127/c
   levels for a typical value), median and max over rows;
 * channel outliers: the largest channel's max |x| over the median channel's;
-* relative output error ||y - y_fp32|| / ||y_fp32|| of int8 weights alone (weight-only) and of
-  int8 weights x per-row int8 activations (W8A8), on the same inputs.
+* relative output error ||y - y_fp32|| / ||y_fp32|| of int8 weights alone (weight-only), of
+  int8 weights x per-row int8 activations (W8A8 without the input rotation) and of W8A8 as
+  shipped (input and weight columns rotated first, quant_format.rotate_columns), on the same
+  inputs.
 
 Then the logits against fp32 (max / mean |d|, argmax agreement on the real positions) for
-int8, w8a8, and w8a8 with one kind of projection (qkv, out, gate_up, down, head) kept
-weight-only. `--smoothquant` (LLaDA models, e.g. cover-tiny) adds SmoothQuant-style migration
+int8, w8a8, w8a8 without the rotation, and (unrotated) w8a8 with one kind of projection (qkv,
+out, gate_up, down, head) kept weight-only. `--smoothquant` (LLaDA models, e.g. cover-tiny) adds SmoothQuant-style migration
 on the MLP down projections (Xiao et al. 2023, eq. 4: s_c = max|X_c|^a / max|W_c|^(1-a), the
 down input's channel c divided by s_c, folded exactly into up_proj's row c, and down's column
 c multiplied by it), with s from the recorded inputs (calibrated) or from the weights alone
@@ -35,7 +37,8 @@ from safetensors.torch import load_file
 
 from cover_vllm.models.layers import FusedLinears, projection_groups
 from cover_vllm.models.loader import load_model
-from cover_vllm.models.quant_format import QuantConfig, quantize_rows
+from cover_vllm.models.quant_format import (QuantConfig, quantize_rows, rotate_columns,
+                                            rotation_block)
 from cover_vllm.models.quantization import load_quantized_model
 from cover_vllm.models.w8a8_kernels import reference
 
@@ -100,9 +103,9 @@ def record(model: torch.nn.Module, kwargs: dict) -> dict[int, list[torch.Tensor]
 
 
 def layer_table(model: torch.nn.Module, seen: dict, role: dict[int, str]) -> None:
-    print("| # | projection | rows | crest median / max | channel outlier | weight-only err | "
-          "W8A8 err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| # | projection | rows | crest median / max | rotated crest median | channel outlier "
+          "| weight-only err | W8A8 unrotated err | W8A8 err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, group in enumerate(projection_groups(model)):
         if id(group) not in seen:
             continue
@@ -113,12 +116,16 @@ def layer_table(model: torch.nn.Module, seen: dict, role: dict[int, str]) -> Non
         t = quantize_rows(w, QuantConfig("int8"), torch.float32)
         wo = F.linear(x, t["qweight"].float() * t["weight_scale"][:, None])
         a8 = reference(x, t["qweight"], t["weight_scale"])
-        crest = x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()
+        b = rotation_block(x.shape[1])
+        xr = rotate_columns(x, b)
+        tr = quantize_rows(rotate_columns(w, b), QuantConfig("int8"), torch.float32)
+        rot = reference(xr, tr["qweight"], tr["weight_scale"])
+        crest = lambda z: z.abs().amax(-1) / z.pow(2).mean(-1).sqrt()
         ch = x.abs().amax(0)
         err = lambda z: float((z - y).norm() / y.norm())
-        print(f"| {i} | {role.get(id(group), '?')} | {x.shape[0]} | {crest.median():.1f} / "
-              f"{crest.max():.1f} | {ch.max() / ch.median():.1f} | {err(wo):.2e} | "
-              f"{err(a8):.2e} |")
+        print(f"| {i} | {role.get(id(group), '?')} | {x.shape[0]} | {crest(x).median():.1f} / "
+              f"{crest(x).max():.1f} | {crest(xr).median():.1f} | {ch.max() / ch.median():.1f} | "
+              f"{err(wo):.2e} | {err(a8):.2e} | {err(rot):.2e} |")
 
 
 def keep_weight_only(model: torch.nn.Module, role: dict[int, str], kind: str) -> None:
@@ -175,7 +182,7 @@ def smoothed(path: str, seen: list[torch.Tensor], alpha: float, proxy: bool) -> 
     out = tempfile.mkdtemp()
     try:
         write_smoothed(path, seen, alpha, proxy, out)
-        return load_quantized_model(out, "w8a8")
+        return load_quantized_model(out, QuantConfig("w8a8", rotation=False))
     finally:
         shutil.rmtree(out)
 
@@ -208,18 +215,21 @@ def main() -> None:
         print("|---|---|---|---|")
         compare("int8 weight-only", load_quantized_model(path, "int8")(**kwargs), want, real)
         compare("w8a8", load_quantized_model(path, "w8a8")(**kwargs), want, real)
-        compare("w8a8, embedding in fp32", load_quantized_model(
-            path, QuantConfig("w8a8", embedding=False))(**kwargs), want, real)
+        plain = QuantConfig("w8a8", rotation=False)
+        compare("w8a8 without the rotation", load_quantized_model(path, plain)(**kwargs), want,
+                real)
+        compare("w8a8 without the rotation, embedding in fp32", load_quantized_model(
+            path, QuantConfig("w8a8", embedding=False, rotation=False))(**kwargs), want, real)
         for kind in sorted(set(role.values())):
-            model = load_quantized_model(path, "w8a8", pack=False)
+            model = load_quantized_model(path, plain, pack=False)
             keep_weight_only(model, roles(model), kind)
-            compare(f"w8a8, {kind} weight-only", model(**kwargs), want, real)
+            compare(f"w8a8 (unrotated), {kind} weight-only", model(**kwargs), want, real)
         if args.smoothquant:
             directory, downs = down_inputs(args.model)
             for alpha in (0.5, 0.8):
                 for proxy in (False, True):
                     model = smoothed(directory, downs, alpha, proxy)
-                    compare(f"w8a8, down smoothed a={alpha} "
+                    compare(f"w8a8 (unrotated), down smoothed a={alpha} "
                             f"({'weight proxy' if proxy else 'calibrated'})", model(**kwargs),
                             want, real)
 

@@ -204,10 +204,10 @@ def test_quantized_golden_logits_against_fp32(model, golden, quantization, bound
 def test_w8a8_keeps_the_stacked_experts_weight_only_int8(model, golden):
     """w8a8: attention, MLP and self-conditioning projections run W8A8 (oneDNN's kernel, or
     its fallback), the stacked experts int8 weight-only (models/quantization.py); golden
-    long prompt against fp32: measured max |d| 10.00, mean 0.383, argmax agreement 85.4 %
-    (int8: 0.676 / 0.107 / 93.8 %). The activation codes move the router's top-2 choice on 5
-    of 318 rows (int8: 1), and a flipped expert moves a whole row's logits; bounded just
-    above."""
+    long prompt against fp32: measured max |d| 6.61, mean 0.347, argmax agreement 91.7 %
+    (int8: 0.676 / 0.107 / 93.8 %; w8a8 without the input rotation: 10.00 / 0.383 / 85.4 %).
+    The activation codes move the router's top-2 choice on a few rows, and a flipped expert
+    moves a whole row's logits; bounded just above."""
     from cover_vllm.models.layers import projection_groups
     from cover_vllm.models.w8a8_kernels import IntMMKernel, OnednnKernel
 
@@ -221,8 +221,8 @@ def test_w8a8_keeps_the_stacked_experts_weight_only_int8(model, golden):
     with torch.no_grad():
         got, want = quant(**call), model(**call)
     diff = (got - want).abs()
-    assert diff.max() <= 10.1 and diff.mean() <= 0.39
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+    assert diff.max() <= 6.7 and diff.mean() <= 0.35
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.91
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4:32"])

@@ -285,6 +285,7 @@ class TensorParallel:
                     linear.bias = _shard_param(linear.bias, sl)
                 linear.out_features = linear.weight.shape[0]
                 continue
+            linear.full_in_features = linear.in_features      # W8A8: its rotation blocks
             linear.in_features = linear.weight.shape[1]
             linear.reduce_input_amax = self._all_reduce_max     # W8A8: TP=1's row scales
             if linear.bias is not None and rank != 0:

@@ -6,6 +6,7 @@ w8a8_kernels.py run the matmuls).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)       # what torch's CPU int4 kernel accep
 DEFAULT_GROUP_SIZE = 128
 QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero", "qresidual")
 EMBEDDING_RESIDUAL_STEPS = 14   # w8a8's embedding: the residual's step is 1/14 of int8's
+ROTATION_BLOCK = 128            # w8a8's input rotation: the most input columns one block mixes
+ROTATION_TP_RANKS = 8           # ... and its blocks stay whole on every split up to 8 ranks
 _ALLOWED = ("None, 'int8', 'int4', 'int4:G' (G = 32, 64, 128 or 256 input columns per scale) "
             "or 'w8a8'")
 
@@ -32,6 +35,9 @@ class QuantConfig:
     embedding: bool | None = None           # the input embedding table in 12 bits a value
                                             # (`quantize_embedding_rows`); None: w8a8 does,
                                             # int8 / int4 do not
+    rotation: bool | None = None            # w8a8: rotate every projection's input and
+                                            # weight columns (`rotate_columns`); None: w8a8
+                                            # does (the default), int8 / int4 never
     explicit_group: bool = field(default=False, compare=False)   # "int4:G" given: a family's
                                             # own int4 group (registry `int4_group`) does not apply
 
@@ -39,12 +45,19 @@ class QuantConfig:
     def quantizes_embedding(self) -> bool:
         return self.method == "w8a8" if self.embedding is None else self.embedding
 
+    @property
+    def rotates_inputs(self) -> bool:
+        return self.method == "w8a8" and self.rotation is not False
+
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"quantization={self.method!r}; choose one of {_ALLOWED}")
         if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization='int4:{self.group_size}': the group size must be one "
                              f"of {INT4_GROUP_SIZES}")
+        if self.rotation and self.method != "w8a8":
+            raise ValueError(f"QuantConfig(rotation=True) rotates the inputs of w8a8's int8 "
+                             f"activations; quantization={self.method!r} quantizes none")
 
     @property
     def label(self) -> str:
@@ -191,11 +204,12 @@ def embedding_lookup(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor
 
 def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x [T, in] -> [T, out] through the dequantized weight: F.linear, nothing fused. W8A8: the
-    input quantized per row first (`quantize_activations`), the product in fp32."""
+    input rotated like the weight's columns (`rotate_columns`, the Linear's `rotation_block`)
+    and quantized per row first (`quantize_activations`), the product in fp32."""
     config, bufs = linear.quant_config, linear_buffers(linear)
     if config.method != "w8a8":
         return F.linear(x, dequantize(bufs, config).to(x.dtype), linear.bias)
-    codes, scale = quantize_activations(x)
+    codes, scale = quantize_activations(rotate_columns(x, getattr(linear, "rotation_block", 1)))
     w = bufs["qweight"].float() * bufs["weight_scale"].float()[:, None]     # fp32, unrounded
     bias = None if linear.bias is None else linear.bias.float()
     return F.linear(codes.float() * scale, w, bias).to(x.dtype)
@@ -204,16 +218,63 @@ def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # ---- W8A8: activations quantized per row at run time ---------------------------------------
 
 def quantize_activations(x: torch.Tensor, amax: torch.Tensor | None = None,
-                         zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         zero_point: int = 0, overwrite: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, k] (any float dtype) -> (codes [T, k], scale fp32 [T, 1]): symmetric per row,
     x ~ codes * scale, codes in [-127, 127], scale = max|x_row| / 127 (an all-zero row: 1).
     `zero_point` 128 returns codes + 128 as uint8 (oneDNN's u8 input), 0 int8 codes.
     `amax` [T, 1]: the rows' max |x| to scale by instead, when x holds a slice of longer rows
-    (a row-parallel rank's input columns: TP=1's scales, so the codes are TP=1's)."""
+    (a row-parallel rank's input columns: TP=1's scales, so the codes are TP=1's).
+    `overwrite`: x is an fp32 temporary (a rotated input) the codes may be computed in."""
     if amax is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    codes = x.to(torch.float32, copy=True).div_(scale).round_().clamp_(-127, 127)
+    codes = x if overwrite and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
+    codes = codes.div_(scale).round_().clamp_(-127, 127)
     if zero_point:
         return codes.add_(zero_point).to(torch.uint8), scale
     return codes.to(torch.int8), scale
+
+
+# ---- W8A8: the input rotation --------------------------------------------------------------
+#
+# A projection's input rows carry outliers (cover-tiny's MLP down inputs: a row's max is
+# 10-14x its rms), and one int8 scale per row then leaves a typical value ~10 levels. An
+# orthogonal R changes nothing in exact arithmetic, y = x W^T = (x R)(W R)^T, but x R spreads
+# each outlier over a block of columns, so the row's int8 step shrinks (QuaRot, Ashkboos et al.
+# 2024, and QuIP#'s randomized Hadamard transform). R is block diagonal: blocks of b columns,
+# each D H_b / sqrt(b) with H_b the Sylvester-Hadamard matrix and D a fixed diagonal of random
+# signs (seeded by b, the same on every machine). The weights' columns are rotated once at
+# load, before they are quantized; the input is rotated on every call, an fp32 GEMM of
+# 2 b FLOPs per input value (b = 128: 1 % of LLaDA-8B's q|k|v product, 3 % of its down).
+
+def rotation_block(in_features: int) -> int:
+    """The rotation's block b for a projection of `in_features` input columns (the whole row,
+    before any TP split): the largest power of two <= ROTATION_BLOCK that divides
+    in_features / ROTATION_TP_RANKS, so a row-parallel split over up to 8 ranks keeps whole
+    blocks and every rank's rotated columns are TP=1's (1: no rotation)."""
+    return min(ROTATION_BLOCK, max(1, (in_features & -in_features) // ROTATION_TP_RANKS))
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_matrix(b: int, device: str) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(b)) * 2 - 1
+    return (signs[:, None] * h / b ** 0.5).float().to(device)        # D H_b / sqrt(b): R R^T = I
+
+
+def rotation_matrix(b: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One diagonal block of R, fp32 [b, b] (section comment)."""
+    return _rotation_matrix(b, str(device))
+
+
+def rotate_columns(x: torch.Tensor, b: int) -> torch.Tensor:
+    """x [..., k] -> x R in fp32 (R block diagonal, blocks of b columns; b divides k): an input
+    row before its quantization, or a weight row (its input columns) before its. b = 1: x."""
+    if b <= 1:
+        return x
+    k = x.shape[-1]
+    blocks = x.float().reshape(-1, k // b, b)
+    return (blocks @ rotation_matrix(b, x.device)).view(x.shape)

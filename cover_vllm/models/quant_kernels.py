@@ -122,7 +122,8 @@ class QuantizedGroup:
         lin = self.linears[0]
         amax = getattr(lin, "reduce_input_amax", None)            # row-parallel (TP)
         row = None if amax is None else RowParallel(amax, getattr(lin, "reduce_output", None))
-        self.kernel = make_kernel(tensors, self.config, bias, row)
+        self.kernel = make_kernel(tensors, self.config, bias, row,
+                                  getattr(lin, "rotation_block", 1))
         if getattr(self.kernel, "reduces_output", False):
             lin.output_reduced = True                    # TP's hook: already summed (exactly)
         self.fused = {}
@@ -140,13 +141,13 @@ class QuantizedGroup:
 
 
 def make_kernel(t: dict[str, torch.Tensor], config: QuantConfig, bias: torch.Tensor | None,
-                row: RowParallel | None = None):
+                row: RowParallel | None = None, rotation_block: int = 1):
     """The fastest kernel for buffers `t` (QuantConfig.storage layout) on their device and the
     model dtype (the scales'), as measured (module doc; W8A8: w8a8_kernels.py, `row` the
-    collectives of a row-parallel projection)."""
+    collectives of a row-parallel projection, `rotation_block` its input rotation's)."""
     device, dtype = t["qweight"].device.type, t["weight_scale"].dtype
     if config.method == "w8a8":
-        return make_w8a8_kernel(t, bias, row)
+        return make_w8a8_kernel(t, bias, row, rotation_block)
     if device == "cpu":
         if config.method == "int4" and dtype in (torch.bfloat16, torch.float16):
             return Int4CpuKernel(t, config.group_size, bias)

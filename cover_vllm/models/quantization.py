@@ -8,7 +8,11 @@ Formats (all computed at load, in fp32, from the tensor the unquantized model wo
   torch's CPU kernel accepts), the convention of torch's int4 kernels (tinygemm):
   w ~ (q - 8) * scale + zero, q in [0, 15], zero = min + 8 * scale.
 * w8a8: int8's weights, and every projection's input quantized per row at run time (int8
-  arithmetic, w8a8_kernels.py). Its input embedding table takes 12 bits a value too (int8
+  arithmetic, w8a8_kernels.py). Both are first rotated along the input columns by the same
+  orthogonal block-Hadamard matrix (quant_format.rotate_columns; the weight once at load,
+  before its codes; the input on every call), which spreads the activations' outlier
+  channels so that one int8 scale a row fits (`QuantConfig(rotation=False)` turns it off).
+  Its input embedding table takes 12 bits a value too (int8
   rows + a 4-bit residual, quant_format.quantize_embedding_rows; a row looked up is
   dequantized): at LLaDA-8B's shape the bf16 table (0.96 GiB) kept the model's peak at
   0.553 x bf16's, over the 0.55 bound, and int8 rows alone cost accuracy
@@ -55,7 +59,7 @@ from cover_vllm.models.loader import load_into
 from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, embedding_storage,
                                             is_quantized, linear_buffers, parse_quantization,
                                             quantize_embedding_rows, quantize_rows,
-                                            reference_linear)
+                                            reference_linear, rotate_columns, rotation_block)
 from cover_vllm.models.quant_kernels import QuantizedGroup
 from cover_vllm.models.registry import family_named
 from cover_vllm.models.safetensors_io import Slice
@@ -211,6 +215,8 @@ def quantize_model(model: nn.Module, config: QuantConfig | str | None) -> int:
             _quantize_weight(lin, functools.partial(config.storage, lin.out_features,
                                                     lin.in_features))
             lin.quant_config = config
+            lin.rotation_block = (rotation_block(getattr(lin, "full_in_features", lin.in_features))
+                                  if config.rotates_inputs else 1)
             count += 1
         group.quant = QuantizedGroup(group, config)
         if len(group.linears) == 1:     # called as a module (TP's all-reduce hook still runs)
@@ -279,12 +285,17 @@ def _load_linear(linear: nn.Module, source, name: str, sl: Slice | None) -> None
     got = source.shape(name)
     if got is not None and tuple(got) != want:
         raise ValueError(f"{name}: checkpoint shape {tuple(got)} != model shape {want}")
+    block = getattr(linear, "rotation_block", 1)       # w8a8: rotate the input columns first
+    if sl is not None and sl.dim == 1 and any(a % block for r in sl.ranges for a in r):
+        raise ValueError(f"{name}: this rank's input columns {sl.ranges} split w8a8's rotation "
+                         f"blocks of {block} columns; use QuantConfig('w8a8', rotation=False)")
     if bufs["qweight"].device.type == "meta":
         return                    # a shapes-only model: checked above, nothing to read
     full_rows, full_cols = want
     for at, rows in _row_chunks(full_rows, sl, full_cols * dtype.itemsize):
         stage = torch.empty((rows.size, full_cols), dtype=dtype)
         source.fill(name, stage, rows)
+        stage = rotate_columns(stage, block)      # fp32 when it rotates (quantized in fp32)
         amax = None
         if sl is not None and sl.dim == 1:        # a row-parallel rank's input columns; int8
             amax = stage.abs().amax(dim=1)        # scales by the whole row, int4's groups lie

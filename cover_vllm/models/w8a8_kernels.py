@@ -10,7 +10,9 @@ max|x_row| / 127) and the product is
 the sum exact in int32, the scales applied to its fp32 value in that order, in fp32, then one
 rounding to the model dtype. `reference` computes the same thing with the sum in float64 (exact):
 every kernel equals it bit for bit where the int32 sum needs at most 24 bits, and to fp32's
-rounding of it otherwise (tests/test_w8a8.py).
+rounding of it otherwise (tests/test_w8a8.py). A kernel built with a `rotation_block` b > 1
+first rotates its input rows in fp32 (`quant_format.rotate_columns`, blocks of b columns), as
+the codes' weight rows were rotated at load, so x is then the rotated input.
 
 Kernels, chosen by measurement (docs/benchmarks.md "W8A8", scripts/quant_kernels.py; AMD EPYC
 with AVX-512 VNNI + BF16, no AMX, one thread, LLaDA-8B's q|k|v [12288, 4096], 2026-11-25):
@@ -31,7 +33,8 @@ with AVX-512 VNNI + BF16, no AMX, one thread, LLaDA-8B's q|k|v [12288, 4096], 20
 * `ReferenceKernel`: the fp32 formula through F.linear; correct anywhere, fast nowhere.
 
 Tensor parallelism: a row-parallel projection (attention output, MLP down) sees only its
-rank's input columns; `RowParallel.amax` (a max all-reduce) gives each row TP=1's max |x|, so
+rank's input columns (whole rotation blocks, each rotated as TP=1 rotates it);
+`RowParallel.amax` (a max all-reduce) gives each row TP=1's max |x|, so
 every rank quantizes its columns exactly as TP=1 would, and `RowParallel.total` sums the
 ranks' integer sums before the scales, so the output is TP=1's bit for bit (`_Kernel`).
 Rounding makes this necessary: a sum of scaled fp32 partial outputs differs from TP=1's in
@@ -48,7 +51,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quant_format import quantize_activations
+from cover_vllm.models.quant_format import quantize_activations, rotate_columns
 
 ZERO_POINT = 128                 # u8 activation codes = int8 codes + 128
 CUDA_MIN_ROWS = 17               # torch._int_mm on CUDA needs more than 16 rows
@@ -88,10 +91,10 @@ class _Kernel:
     zero_point = 0
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 row: RowParallel | None = None):
+                 row: RowParallel | None = None, rotation_block: int = 1):
         self.n, self.k = q.shape
         self.w_scale = w_scale.float().contiguous()                      # [n] fp32
-        self.bias, self.row = bias, row
+        self.bias, self.row, self.rotation_block = bias, row, rotation_block
         self.reduces_output = row is not None and row.total is not None and bias is None
 
     def _sums(self, codes: torch.Tensor) -> torch.Tensor:
@@ -103,12 +106,13 @@ class _Kernel:
         return self._sums(codes).float().mul_(self.w_scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.k)
+        shape, dtype = x.shape, x.dtype
+        rotated = self.rotation_block > 1
+        x = rotate_columns(x.reshape(-1, self.k), self.rotation_block)   # as the weight's columns
         amax = None
         if self.row is not None:
             amax = self.row.amax(x.abs().amax(dim=-1, keepdim=True).float())
-        codes, x_scale = quantize_activations(x, amax, self.zero_point)
+        codes, x_scale = quantize_activations(x, amax, self.zero_point, overwrite=rotated)
         if self.reduces_output:
             sums = self.row.total(self._sums(codes).to(torch.int32))
             out = sums.float().mul_(self.w_scale)
@@ -117,7 +121,7 @@ class _Kernel:
         out = out.mul_(x_scale)
         if self.bias is not None:
             out = out.add_(self.bias)
-        return out.to(x.dtype).view(*shape[:-1], self.n)
+        return out.to(dtype).view(*shape[:-1], self.n)
 
     def nbytes(self) -> int:
         """Bytes this kernel keeps resident (the bias belongs to the model's parameters)."""
@@ -130,8 +134,8 @@ class OnednnKernel(_Kernel):
     zero_point = ZERO_POINT
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 row: RowParallel | None = None):
-        super().__init__(q, w_scale, bias, row)
+                 row: RowParallel | None = None, rotation_block: int = 1):
+        super().__init__(q, w_scale, bias, row, rotation_block)
         self.w_zero = torch.zeros(1, dtype=torch.int64)
         self.unit = torch.ones(1)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)          # its own blocked copy
@@ -156,8 +160,8 @@ class IntMMKernel(_Kernel):
     """`torch._int_mm` (s8 x s8 -> int32), then the scales in fp32."""
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 row: RowParallel | None = None):
-        super().__init__(q, w_scale, bias, row)
+                 row: RowParallel | None = None, rotation_block: int = 1):
+        super().__init__(q, w_scale, bias, row, rotation_block)
         self.q_t = q.t()                                   # [k, n] view: column-major codes
         self.min_rows = CUDA_MIN_ROWS if q.device.type == "cuda" else 1
 
@@ -175,8 +179,8 @@ class ReferenceKernel(_Kernel):
     """The sums in float64 (exact): `reference`, per call."""
 
     def __init__(self, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 row: RowParallel | None = None):
-        super().__init__(q, w_scale, bias, row)
+                 row: RowParallel | None = None, rotation_block: int = 1):
+        super().__init__(q, w_scale, bias, row, rotation_block)
         self.q = q
 
     def _sums(self, codes: torch.Tensor) -> torch.Tensor:
@@ -216,24 +220,25 @@ def onednn_problem() -> str | None:
 
 
 def make_w8a8_kernel(t: dict[str, torch.Tensor], bias: torch.Tensor | None,
-                     row: RowParallel | None = None):
+                     row: RowParallel | None = None, rotation_block: int = 1):
     """The kernel for codes `t["qweight"]` [n, k] and scales `t["weight_scale"]` [n] on their
     device (module doc); a CPU without working oneDNN ops falls back with a warning. `row`:
-    the collectives of a row-parallel projection."""
+    the collectives of a row-parallel projection; `rotation_block`: its input's rotation
+    (`quant_format.rotate_columns`; the codes are of the rotated weight)."""
     q, scale = t["qweight"], t["weight_scale"]
     device = q.device.type
     if device == "cpu":
         problem = onednn_problem()
         if problem is None:
-            return OnednnKernel(q, scale, bias, row)
+            return OnednnKernel(q, scale, bias, row, rotation_block)
         kind = IntMMKernel if hasattr(torch, "_int_mm") else ReferenceKernel
         warnings.warn(f"quantization='w8a8': {problem}; running {kind.__name__} instead "
                       "(slower than bf16 here, docs/benchmarks.md 'W8A8')", RuntimeWarning)
-        return kind(q, scale, bias, row)
+        return kind(q, scale, bias, row, rotation_block)
     n, k = q.shape
     if device == "cuda" and hasattr(torch, "_int_mm") and n % 8 == 0 and k % 8 == 0:
-        return IntMMKernel(q, scale, bias, row)
-    return ReferenceKernel(q, scale, bias, row)
+        return IntMMKernel(q, scale, bias, row, rotation_block)
+    return ReferenceKernel(q, scale, bias, row, rotation_block)
 
 
 # ---- the bytes a kernel keeps: the memory plan ---------------------------------------------
