@@ -204,12 +204,14 @@ def embedding_lookup(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor
 
 def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x [T, in] -> [T, out] through the dequantized weight: F.linear, nothing fused. W8A8: the
-    input rotated like the weight's columns (`rotate_columns`, the Linear's `rotation_block`)
+    input rotated like the weight's columns (`rotate_input`, the Linear's `rotation_block`)
     and quantized per row first (`quantize_activations`), the product in fp32."""
     config, bufs = linear.quant_config, linear_buffers(linear)
     if config.method != "w8a8":
         return F.linear(x, dequantize(bufs, config).to(x.dtype), linear.bias)
-    codes, scale = quantize_activations(rotate_columns(x, getattr(linear, "rotation_block", 1)))
+    rotated, factor = rotate_input(x, getattr(linear, "rotation_block", 1))
+    codes, scale = quantize_activations(rotated)
+    scale = scale * factor
     w = bufs["qweight"].float() * bufs["weight_scale"].float()[:, None]     # fp32, unrounded
     bias = None if linear.bias is None else linear.bias.float()
     return F.linear(codes.float() * scale, w, bias).to(x.dtype)
@@ -245,8 +247,11 @@ def quantize_activations(x: torch.Tensor, amax: torch.Tensor | None = None,
 # 2024, and QuIP#'s randomized Hadamard transform). R is block diagonal: blocks of b columns,
 # each D H_b / sqrt(b) with H_b the Sylvester-Hadamard matrix and D a fixed diagonal of random
 # signs (seeded by b, the same on every machine). The weights' columns are rotated once at
-# load, before they are quantized; the input is rotated on every call, an fp32 GEMM of
-# 2 b FLOPs per input value (b = 128: 1 % of LLaDA-8B's q|k|v product, 3 % of its down).
+# load, in fp32, before they are quantized; the input on every call (`rotate_input`), a GEMM of
+# 2 b FLOPs per input value (b = 128: 1 % of LLaDA-8B's q|k|v product, 3 % of its down): in
+# fp32, or for a bf16 input in bf16 against D H_b (entries +-1, exact), whose 1 / sqrt(b) the
+# row's scale takes; bf16's GEMM runs it 2-5x faster here, and rounding each rotated value to
+# bf16 (2^-9 relative) is far below the int8 step (max|row| / 127) that follows.
 
 def rotation_block(in_features: int) -> int:
     """The rotation's block b for a projection of `in_features` input columns (the whole row,
@@ -257,24 +262,43 @@ def rotation_block(in_features: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation_matrix(b: int, device: str) -> torch.Tensor:
+def _signed_hadamard(b: int, device: str, dtype: torch.dtype) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
     signs = torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(b)) * 2 - 1
-    return (signs[:, None] * h / b ** 0.5).float().to(device)        # D H_b / sqrt(b): R R^T = I
+    return (signs[:, None] * h).to(device=device, dtype=dtype)        # D H_b, entries +-1
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_matrix(b: int, device: str) -> torch.Tensor:
+    return (_signed_hadamard(b, "cpu", torch.float64) / b ** 0.5).float().to(device)
 
 
 def rotation_matrix(b: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """One diagonal block of R, fp32 [b, b] (section comment)."""
+    """One diagonal block of R, D H_b / sqrt(b) in fp32 [b, b] (R R^T = I; section comment)."""
     return _rotation_matrix(b, str(device))
 
 
 def rotate_columns(x: torch.Tensor, b: int) -> torch.Tensor:
-    """x [..., k] -> x R in fp32 (R block diagonal, blocks of b columns; b divides k): an input
-    row before its quantization, or a weight row (its input columns) before its. b = 1: x."""
+    """x [..., k] -> x R in fp32 (R block diagonal, blocks of b columns; b divides k): a weight
+    row (its input columns) before its codes, or an input row before its. b = 1: x."""
     if b <= 1:
         return x
     k = x.shape[-1]
     blocks = x.float().reshape(-1, k // b, b)
     return (blocks @ rotation_matrix(b, x.device)).view(x.shape)
+
+
+def rotate_input(x: torch.Tensor, b: int) -> tuple[torch.Tensor, float]:
+    """A W8A8 input [T, k] before its per-row codes -> (y, f) with x R = f * y (section
+    comment): bf16 x gives y = x (D H_b) in bf16 and f = 1 / sqrt(b), which the row's scale
+    takes (a row's codes do not depend on a factor common to the row); other dtypes
+    y = rotate_columns(x, b) (fp32), f = 1. b = 1: (x, 1)."""
+    if b <= 1:
+        return x, 1.0
+    if x.dtype != torch.bfloat16:
+        return rotate_columns(x, b), 1.0
+    k = x.shape[-1]
+    hadamard = _signed_hadamard(b, str(x.device), torch.bfloat16)
+    return (x.reshape(-1, k // b, b) @ hadamard).view(x.shape), b ** -0.5

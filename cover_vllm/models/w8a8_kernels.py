@@ -11,8 +11,9 @@ the sum exact in int32, the scales applied to its fp32 value in that order, in f
 rounding to the model dtype. `reference` computes the same thing with the sum in float64 (exact):
 every kernel equals it bit for bit where the int32 sum needs at most 24 bits, and to fp32's
 rounding of it otherwise (tests/test_w8a8.py). A kernel built with a `rotation_block` b > 1
-first rotates its input rows in fp32 (`quant_format.rotate_columns`, blocks of b columns), as
-the codes' weight rows were rotated at load, so x is then the rotated input.
+first rotates its input rows (`quant_format.rotate_input`, blocks of b columns), as the codes'
+weight rows were rotated at load, so x is then the rotated input (bf16: x (D H_b) in bf16,
+with 1 / sqrt(b) in x_scale).
 
 Kernels, chosen by measurement (docs/benchmarks.md "W8A8", scripts/quant_kernels.py; AMD EPYC
 with AVX-512 VNNI + BF16, no AMX, one thread, LLaDA-8B's q|k|v [12288, 4096], 2026-11-25):
@@ -51,7 +52,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quant_format import quantize_activations, rotate_columns
+from cover_vllm.models.quant_format import quantize_activations, rotate_input
 
 ZERO_POINT = 128                 # u8 activation codes = int8 codes + 128
 CUDA_MIN_ROWS = 17               # torch._int_mm on CUDA needs more than 16 rows
@@ -69,10 +70,13 @@ class RowParallel:
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, x_factor: float = 1.0) -> torch.Tensor:
     """The exact W8A8 product (module doc) of x [T, k] with codes q [n, k] and fp32 scales
-    [n]: the int32 sum computed in float64 (exact), the scales in fp32 in the kernels' order."""
+    [n]: the int32 sum computed in float64 (exact), the scales in fp32 in the kernels' order.
+    `x_factor`: a factor of every row's scale (a bf16 rotated input's 1 / sqrt(b))."""
     codes, x_scale = quantize_activations(x)
+    if x_factor != 1.0:
+        x_scale = x_scale * x_factor
     acc = F.linear(codes.double(), q.double()).float()                   # [T, n]
     out = acc.mul_(w_scale.float()).mul_(x_scale)
     return (out if bias is None else out.add_(bias.float())).to(x.dtype)
@@ -108,11 +112,13 @@ class _Kernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         rotated = self.rotation_block > 1
-        x = rotate_columns(x.reshape(-1, self.k), self.rotation_block)   # as the weight's columns
+        x, factor = rotate_input(x.reshape(-1, self.k), self.rotation_block)  # as the weight's
         amax = None
         if self.row is not None:
             amax = self.row.amax(x.abs().amax(dim=-1, keepdim=True).float())
         codes, x_scale = quantize_activations(x, amax, self.zero_point, overwrite=rotated)
+        if factor != 1.0:
+            x_scale = x_scale * factor
         if self.reduces_output:
             sums = self.row.total(self._sums(codes).to(torch.int32))
             out = sums.float().mul_(self.w_scale)
