@@ -100,7 +100,9 @@ def test_small_kv_budget_queues_instead_of_failing(llada_dir):
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
     assert tight.engine.pool.peak_used <= 6 and tight.engine.num_free_pages == 6
-    with pytest.raises(ValueError, match="KV pages"):
+    with pytest.raises(ValueError, match=r"needs \d+ KV pages for a \d+-token canvas but the "
+                                         r"pool has 6; raise kv_cache_memory_bytes or lower "
+                                         r"max_tokens"):
         tight.generate([{"prompt_token_ids": [1] * 10}], SamplingParams(max_tokens=96))
     assert tight.generate(prompts[:1], params[0], use_tqdm=False)[0].outputs[0].token_ids == \
         roomy[0].outputs[0].token_ids

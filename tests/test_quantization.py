@@ -221,17 +221,24 @@ def test_memory_plan_counts_the_quantized_bytes():
 FAMILIES = {"llada": (1.5, 0.15), "dream": (1.5, 0.15), "llada_moe": (5.0, 0.15)}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_golden_logits_int8_against_fp32(family):
-    """int8 vs fp32 on the golden inputs (random weights of std 0.02-0.3, logits of std ~4.8):
-    measured max |d| 1.31 / 1.12 / 4.36 (MoE: a routing flip), mean |d| 0.136 / 0.127 / 0.128,
-    argmax agreement 95.8 / 95.8 / 96.7 %; bounded here just above."""
+def golden_logits(family: str, quantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(quantized logits, fp32 logits, [B, L] bool of the real positions) on the golden
+    forward inputs of `family`."""
     path = GOLDEN / family / "model"
     golden = load_file(str(GOLDEN / family / "forward.safetensors"))
     kw = {"attention_mask": golden["attention_mask"]}
     with torch.no_grad():
         want = load_model(path)(golden["input_ids"], **kw)
-        got = load_quantized_model(path, "int8")(golden["input_ids"], **kw)
+        got = load_quantized_model(path, quantization)(golden["input_ids"], **kw)
+    return got, want, golden["attention_mask"].bool()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_golden_logits_int8_against_fp32(family):
+    """int8 vs fp32 on the golden inputs (random weights of std 0.02-0.3, logits of std ~4.8):
+    measured max |d| 1.31 / 1.12 / 4.36 (MoE: a routing flip), mean |d| 0.136 / 0.127 / 0.128,
+    argmax agreement 95.8 / 95.8 / 96.7 %; bounded here just above."""
+    got, want, _ = golden_logits(family, "int8")
     max_bound, mean_bound = FAMILIES[family]
     diff = (got - want).abs()
     assert diff.max() <= max_bound and diff.mean() <= mean_bound

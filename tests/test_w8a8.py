@@ -1,8 +1,8 @@
 """W8A8 (issue 35): int8 weights x int8 activations quantized per row. Activation codes, every
-kernel against the exact integer product and against dequantize-then-F.linear, the input
-rotation (exact in real arithmetic, TP-split into whole blocks), the fallback when oneDNN's
-ops are unusable, tensor-parallel row scales, the memory plan counting oneDNN's packed blocks
-exactly, golden and cover-tiny logits against fp32, and the engine end to end."""
+kernel against the exact integer product and against dequantize-then-F.linear, the fallback
+when oneDNN's ops are unusable, tensor-parallel row scales (with and without the input
+rotation; the rotation itself: test_w8a8_rotation.py), the memory plan counting oneDNN's
+packed blocks exactly, golden and cover-tiny logits against fp32, and the engine end to end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.models import w8a8_kernels
@@ -20,17 +19,14 @@ from cover_vllm.models.layers import projection_groups
 from cover_vllm.models.loader import build_model, load_model
 from cover_vllm.models.quant_format import (ROTATION_BLOCK, QuantConfig, dequantize_embedding,
                                             parse_quantization, quantize_activations,
-                                            quantize_embedding_rows, quantize_rows,
-                                            rotate_columns, rotate_input, rotation_block,
-                                            rotation_matrix)
+                                            quantize_embedding_rows, quantize_rows)
 from cover_vllm.models.quantization import load_quantized_model, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.w8a8_kernels import (IntMMKernel, OnednnKernel, ReferenceKernel,
                                             RowParallel, make_w8a8_kernel, onednn_layout,
                                             onednn_problem, reference)
 from cover_vllm.worker.memory import weight_bytes
-from golden_cases import GOLDEN
-from test_quantization import cover_tiny_task_rows
+from test_quantization import cover_tiny_task_rows, golden_logits
 
 ONEDNN = onednn_problem() is None
 KERNELS = {"onednn": OnednnKernel, "int_mm": IntMMKernel, "reference": ReferenceKernel}
@@ -198,106 +194,6 @@ def test_row_parallel_ranks_sum_integer_sums_to_tp1s_bits(name, dtype, block):
     assert torch.equal(outs[0], full) and torch.equal(outs[1], full)
 
 
-# ---- the input rotation ----------------------------------------------------------------------
-
-def test_rotation_blocks_stay_whole_on_every_split_up_to_8_ranks():
-    """b: the largest power of two <= 128 dividing K / 8 (1: no rotation)."""
-    widths = {4096: 128, 12288: 128, 3584: 64, 1024: 128, 384: 16, 128: 16, 64: 8, 96: 4,
-              100: 1, 227: 1}
-    assert {k: rotation_block(k) for k in widths} == widths
-    for k, b in widths.items():
-        assert all((k // tp) % b == 0 for tp in (1, 2, 4, 8) if k % tp == 0)
-
-
-@pytest.mark.parametrize("b", [2, 16, 128])
-def test_rotation_is_orthogonal_and_leaves_the_product_unchanged(b):
-    """R R^T = I (fp32 rounding), the same R on every call and device string, and
-    (x R)(W R)^T = x W^T: rotating both sides changes the product only by fp32's rounding.
-    A row whose max is one outlier channel comes out with its max spread over the block."""
-    r = rotation_matrix(b)
-    assert torch.allclose(r @ r.t(), torch.eye(b), atol=1e-6)
-    assert torch.equal(r, rotation_matrix(b, "cpu"))
-    assert torch.allclose(r.abs(), torch.full((b, b), b ** -0.5))
-    gen = torch.Generator().manual_seed(6)
-    x, w = torch.randn(5, 4 * b, generator=gen), torch.randn(7, 4 * b, generator=gen)
-    got = F.linear(rotate_columns(x, b), rotate_columns(w, b))
-    assert (got - F.linear(x, w)).abs().max() <= 1e-5 * F.linear(x, w).abs().max()
-    spike = torch.zeros(1, 4 * b)
-    spike[0, 3] = 10.0
-    assert rotate_columns(spike, b).abs().max() == pytest.approx(10.0 / b ** 0.5)
-    assert rotate_columns(x, 1) is x
-
-
-@pytest.mark.parametrize("name", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_a_rotated_kernel_is_the_integer_product_of_the_rotated_input(name, dtype):
-    """A kernel with a rotation block rotates its input (`rotate_input`: fp32, or bf16 with
-    the 1 / sqrt(b) in the row scale) and then is `reference` of that, bit for bit; its output
-    keeps the input's dtype and shape."""
-    _, q, scale, gen = _weights(96, 512, seed=7)
-    x = torch.randn(3, 5, 512, generator=gen).to(dtype)
-    got = _kernel(name)(q, scale, None, None, 64)(x)
-    rotated, factor = rotate_input(x.reshape(15, 512), 64)
-    assert rotated.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    want = reference(rotated, q, scale, x_factor=factor).to(dtype)
-    assert got.dtype == dtype and torch.equal(got, want.view(3, 5, 96))
-
-
-def test_a_bf16_input_rotates_in_bf16_within_its_rounding():
-    """bf16: y = x (D H_b) in bf16 with f = 1 / sqrt(b) is x R up to one bf16 rounding of
-    each value (2^-9 relative; within 2^-8 of the row's max, half an int8 step of the codes
-    that follow); the codes differ from the fp32 rotation's by one step on 1.9 % of the
-    values (those within bf16's rounding of a code boundary)."""
-    gen = torch.Generator().manual_seed(8)
-    x = (torch.randn(64, 1024, generator=gen) * torch.logspace(-1, 1, 1024)).to(torch.bfloat16)
-    y, factor = rotate_input(x, 128)
-    exact = rotate_columns(x, 128)
-    assert y.dtype == torch.bfloat16 and factor == 128 ** -0.5
-    err = (y.float() * factor - exact).abs()
-    row_max = exact.abs().amax(-1, keepdim=True)
-    assert (err <= 2 ** -8 * row_max).all()            # the int8 step: row_max / 127
-    codes, _ = quantize_activations(y)
-    want, _ = quantize_activations(exact)
-    moved = (codes.int() - want.int()).abs()
-    assert moved.max() <= 1 and moved.float().mean() < 0.025          # measured 1.9 %
-
-
-def test_rotation_is_w8a8s_default_and_configurable():
-    """quantize_model gives every W8A8 Linear its block (from the whole input width, before
-    TP); rotation=False keeps plain per-row codes; weight-only formats never rotate."""
-    assert QuantConfig("w8a8").rotates_inputs and not QuantConfig("int8").rotates_inputs
-    assert not QuantConfig("w8a8", rotation=False).rotates_inputs
-    with pytest.raises(ValueError, match="rotation=True.*'int8' quantizes none"):
-        QuantConfig("int8", rotation=True)
-    spec = ModelSpec.from_config(resolve_model("cover-tiny").config)
-    for config, down in ((QuantConfig("w8a8"), 16), (QuantConfig("w8a8", rotation=False), 1),
-                         (QuantConfig("int8"), 1)):
-        model = build_model(spec, torch.float32, "meta")
-        quantize_model(model, config)
-        block = model.model.transformer.blocks[0].ff_out.rotation_block
-        assert block == down
-
-
-def test_a_tp_split_through_a_rotation_block_is_refused():
-    """A rank whose input columns start inside a block cannot rotate them as TP=1 does:
-    refused when its weight is checked, on the meta device already (before any read)."""
-    from cover_vllm.models.quantization import _load_linear
-    from cover_vllm.models.safetensors_io import Slice
-
-    spec = ModelSpec.from_config(resolve_model("cover-tiny").config)
-    model = build_model(spec, torch.float32, "meta")
-    quantize_model(model, "w8a8")
-    down = model.model.transformer.blocks[0].ff_out
-
-    class Source:
-        def shape(self, name):
-            return (128, 384)
-    with pytest.raises(ValueError, match=r"ff_out.weight: this rank's input columns "
-                                         r"\(\(8, 128\),\) split w8a8's rotation blocks of 16"):
-        _load_linear(down, Source(), "model.transformer.blocks.0.ff_out.weight",
-                     Slice(1, 8, 128, 384))
-
-
 def test_unusable_onednn_falls_back_with_a_warning(monkeypatch):
     _, q, scale, gen = _weights(64, 128)
     monkeypatch.setattr(w8a8_kernels, "onednn_problem",
@@ -382,14 +278,8 @@ def test_golden_logits_w8a8_against_fp32(family):
     1.50 / 7.57, 0.208 / 0.205 / 0.241, 94.6 / 93.8 / 95.5 %). Random weights give inputs
     without outlier channels, so the rotation changes little here (LLaDA's argmax: 4 of 112
     near-ties more); bounded here just above."""
-    path = GOLDEN / family / "model"
-    golden = load_file(str(GOLDEN / family / "forward.safetensors"))
-    kw = {"attention_mask": golden["attention_mask"]}
-    with torch.no_grad():
-        want = load_model(path)(golden["input_ids"], **kw)
-        got = load_quantized_model(path, "w8a8")(golden["input_ids"], **kw)
+    got, want, real = golden_logits(family, "w8a8")
     max_bound, mean_bound, agree = FAMILIES[family]
-    real = golden["attention_mask"].bool()
     diff = (got - want).abs()[real]
     assert diff.max() <= max_bound and diff.mean() <= mean_bound
     assert (got.argmax(-1) == want.argmax(-1))[real].float().mean() >= agree

@@ -10,10 +10,10 @@ max|x_row| / 127) and the product is
 the sum exact in int32, the scales applied to its fp32 value in that order, in fp32, then one
 rounding to the model dtype. `reference` computes the same thing with the sum in float64 (exact):
 every kernel equals it bit for bit where the int32 sum needs at most 24 bits, and to fp32's
-rounding of it otherwise (tests/test_w8a8.py). A kernel built with a `rotation_block` b > 1
-first rotates its input rows (`quant_format.rotate_input`, blocks of b columns), as the codes'
-weight rows were rotated at load, so x is then the rotated input (bf16: x (D H_b) in bf16,
-with 1 / sqrt(b) in x_scale).
+rounding of it otherwise (tests/test_w8a8.py, test_w8a8_rotation.py). A kernel built with a
+`rotation_block` b > 1 first rotates its input rows (`quant_format.rotate_input`, blocks of b
+columns), as the codes' weight rows were rotated at load, so x is then the rotated input
+(bf16: x (D H_b) in bf16, with 1 / sqrt(b) in x_scale).
 
 Kernels, chosen by measurement (docs/benchmarks.md "W8A8", scripts/quant_kernels.py; AMD EPYC
 with AVX-512 VNNI + BF16, no AMX, one thread, LLaDA-8B's q|k|v [12288, 4096], 2026-11-25):

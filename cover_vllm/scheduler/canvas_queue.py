@@ -35,12 +35,8 @@ class CanvasQueue:
         return -(-req.kv_positions // self.page)
 
     def add(self, req: CanvasRequest) -> None:
-        need = self.pages_needed(req)
-        if need > self.pool.num_pages:
-            raise ValueError(
-                f"request {req.request_id!r} needs {need} KV pages for {req.kv_positions} "
-                f"encoded positions but the pool has {self.pool.num_pages}; raise "
-                "kv_cache_memory_bytes or lower max_tokens")
+        self.pool.check_fits(f"request {req.request_id!r}", self.pages_needed(req),
+                             f"{req.kv_positions} encoded positions", "lower max_tokens")
         self.waiting.append(req)
 
     def has(self, request_id: str) -> bool:

@@ -37,6 +37,13 @@ class PagePool:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    def check_fits(self, request: str, need: int, what: str, remedy: str) -> None:
+        """Refuse a request that needs more pages than the whole pool: it could never run.
+        `request` names it, `what` the positions the pages hold, `remedy` the fix."""
+        if need > self.num_pages:
+            raise ValueError(f"{request} needs {need} KV pages for {what} but the pool has "
+                             f"{self.num_pages}; raise kv_cache_memory_bytes or {remedy}")
+
     def allocate(self, n: int) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free."""
         if n > self.num_free:

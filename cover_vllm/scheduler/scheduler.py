@@ -48,12 +48,8 @@ class Scheduler:
         if isinstance(req, CanvasRequest):
             self.canvases.add(req)
             return
-        need = self.pages_needed(req)
-        if need > self.pool.num_pages:
-            raise ValueError(
-                f"request {req.request_id!r} needs {need} KV pages for a {req.canvas_len}-token "
-                f"canvas but the pool has {self.pool.num_pages}; raise kv_cache_memory_bytes or "
-                "lower max_tokens")
+        self.pool.check_fits(f"request {req.request_id!r}", self.pages_needed(req),
+                             f"a {req.canvas_len}-token canvas", "lower max_tokens")
         self.waiting.append(req)
 
     def _admit(self) -> None:

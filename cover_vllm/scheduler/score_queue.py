@@ -51,11 +51,8 @@ class ScoreQueue:
         return req.num_canvases * self._pages(req.shared_end) + per_slot + greedy
 
     def add(self, req: ScoringRequest) -> None:
-        need = self.min_pages(req)
-        if need > self.pool.num_pages:
-            raise ValueError(f"scoring request {req.request_id!r} needs {need} KV pages for its "
-                             f"{req.L}-token sequence but the pool has {self.pool.num_pages}; "
-                             "raise kv_cache_memory_bytes or shorten the context")
+        self.pool.check_fits(f"scoring request {req.request_id!r}", self.min_pages(req),
+                             f"its {req.L}-token sequence", "shorten the context")
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
