@@ -6,11 +6,18 @@ accuracy and per-request means of the engine's counters. Fixed-schedule strategi
 (threshold, cover, ...) once. Every row runs once per cache mode (`--kv-cache`) and, for the
 approximate modes, once per refresh policy (`--cache-refresh`); `flops_per_token` is model FLOPs
 per generated token (cover_vllm/flops.py), so a refresh's cost is visible beside NFE.
+
+`--baseline` pairs each row with the same row of an earlier run on the same problems (a model
+in fp32 against its quantized form, one decoder against another's JSON) problem by problem: the
+problems it lost and gained, and the exact two-sided sign test of those discordant pairs
+(McNemar's exact test), so a difference of a point or two can be told from the problems a
+small change of the logits flips both ways.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +37,7 @@ class EvalRow:
     kv_cache: str
     cache_refresh: str          # refresh policy ("-" for kv_cache="none": every step is one)
     num: int
+    seed: int | None            # the problems: None the held-out split, else fresh draws
     accuracy: float
     nfe: float                  # per-request means from here on
     nfe_per_token: float        # NFE / decoded generation slots
@@ -42,6 +50,7 @@ class EvalRow:
     refreshes: float            # full-canvas forwards per request
     flops_per_token: float      # model FLOPs / generated tokens (cover_vllm/flops.py)
     seconds: float
+    solved: str = ""            # "1"/"0" per problem, in order (what --baseline pairs)
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,9 @@ def _mean(values) -> float:
 
 
 def evaluate_one(llm: LLM, task: Task, examples: list[Example], decoding: str, k: int | None,
-                 params: dict | None, use_tqdm: bool, *, cache: CacheChoice | None = None
-                 ) -> tuple[EvalRow, list]:
+                 params: dict | None, use_tqdm: bool, *, cache: CacheChoice | None = None,
+                 seed: int | None = None) -> tuple[EvalRow, list]:
+    """One row: `examples` (drawn from `seed`, None: the held-out split) decoded and checked."""
     prompts = [{"prompt_token_ids": chat_prompt_ids(llm.tokenizer, ex.prompt)} for ex in examples]
     steps = None if k is None else max(1, task.max_tokens // k)
     cache = cache or CacheChoice()
@@ -107,7 +117,7 @@ def evaluate_one(llm: LLM, task: Task, examples: list[Example], decoding: str, k
     ms = [o.metrics for o in outs]
     row = EvalRow(
         task=task.name, decoding=decoding, k=k, kv_cache=kv, cache_refresh=policy,
-        num=len(examples), accuracy=_mean(correct),
+        num=len(examples), seed=seed, accuracy=_mean(correct),
         nfe=_mean(m.nfe for m in ms),
         nfe_per_token=_mean(m.nfe / max(m.decoded_tokens, 1) for m in ms),
         tokens_per_step=_mean(m.tokens_per_step for m in ms),
@@ -115,7 +125,7 @@ def evaluate_one(llm: LLM, task: Task, examples: list[Example], decoding: str, k
         remasks=_mean(m.remasks for m in ms), flip_flops=_mean(m.flip_flops for m in ms),
         replaces=_mean(m.replaces for m in ms), keeps=_mean(m.keeps for m in ms),
         refreshes=_mean(m.refreshes for m in ms), flops_per_token=flops_per_token(ms),
-        seconds=seconds)
+        seconds=seconds, solved="".join("1" if ok else "0" for ok in correct))
     return row, outs
 
 
@@ -140,7 +150,7 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
                 for cache in choices:
                     llm.reset_prefix_cache()   # a row reuses no prompt block of another row
                     row, _ = evaluate_one(llm, task, examples, decoding, k, params.get(decoding),
-                                          spec.use_tqdm, cache=cache)
+                                          spec.use_tqdm, cache=cache, seed=spec.seed)
                     rows.append(row)
                     if on_row is not None:
                         on_row(row)
@@ -169,3 +179,81 @@ def format_table(rows: list[EvalRow]) -> str:
 def write_json(rows: list[EvalRow], path: str) -> None:
     with open(path, "w") as f:
         json.dump([asdict(r) for r in rows], f, indent=2)
+
+
+def row_key(row: dict) -> tuple:
+    """What pairs two runs' rows: the task, decoder, k and cache choice."""
+    return tuple(row[name] for name in ("task", "decoding", "k", "kv_cache", "cache_refresh"))
+
+
+def load_baseline(path: str) -> dict[tuple, dict]:
+    """`cover-vllm eval --json` rows by row_key; each must carry its problems' `solved`."""
+    with open(path) as f:
+        rows = json.load(f)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"--baseline {path}: expected the list of rows `cover-vllm eval --json` "
+                         "writes")
+    for r in rows:
+        missing = [k for k in ("task", "decoding", "k", "kv_cache", "cache_refresh", "num",
+                               "seed", "solved") if k not in r]
+        if missing or len(r["solved"]) != r["num"]:
+            raise ValueError(f"--baseline {path}: a row lacks {missing or ['solved']} per problem "
+                             "(a JSON written before 2026-11-26? rerun that eval with --json)")
+    return {row_key(r): r for r in rows}
+
+
+def sign_test(lost: int, gained: int) -> float:
+    """Exact two-sided p of `lost` vs `gained` discordant pairs under no difference (each
+    flip equally likely either way): McNemar's exact test, the binomial(n, 1/2) tail."""
+    n = lost + gained
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1))
+    return min(1.0, 2 * tail / 2 ** n) if n else 1.0
+
+
+@dataclass
+class PairedRow:
+    """One row against the baseline's row of the same key, on the same problems."""
+
+    key: tuple
+    baseline: float             # accuracies
+    accuracy: float
+    lost: int                   # problems the baseline solved and this run did not
+    gained: int
+    p_value: float              # sign_test(lost, gained)
+
+
+def check_same_problems(base: dict, num: int, seed: int | None) -> None:
+    """ValueError naming the row unless `base` ran `num` problems drawn from `seed`."""
+    if (base["num"], base["seed"]) != (num, seed):
+        raise ValueError(f"--baseline row {row_key(base)} ran num={base['num']}, "
+                         f"seed={base['seed']}; this run num={num}, seed={seed}: pass the "
+                         "same --num and --seed")
+
+
+def compare(rows: list[EvalRow], baseline: dict[tuple, dict]) -> list[PairedRow]:
+    """Each row that has a baseline row, problem by problem (the same problems: num and seed,
+    else ValueError)."""
+    paired = []
+    for row in map(asdict, rows):
+        base = baseline.get(row_key(row))
+        if base is None:
+            continue
+        check_same_problems(base, row["num"], row["seed"])
+        pairs = list(zip(base["solved"], row["solved"]))
+        lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
+        paired.append(PairedRow(row_key(row), base["accuracy"], row["accuracy"], lost, gained,
+                                sign_test(lost, gained)))
+    return paired
+
+
+def format_paired(paired: list[PairedRow]) -> str:
+    """A markdown table: baseline and this run's accuracy, the difference, the problems lost
+    and gained, and the sign test's p."""
+    lines = ["| task | decoding | k | kv_cache | cache_refresh | baseline | accuracy | delta | "
+             "lost | gained | p |", "|" + "---|" * 11]
+    for r in paired:
+        key = ["-" if v is None else str(v) for v in r.key]
+        lines.append("| " + " | ".join(key + [
+            f"{r.baseline:.1%}", f"{r.accuracy:.1%}", f"{100 * (r.accuracy - r.baseline):+.1f}",
+            str(r.lost), str(r.gained), f"{r.p_value:.3g}"]) + " |")
+    return "\n".join(lines)

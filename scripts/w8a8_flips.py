@@ -3,7 +3,7 @@ projection kept int8 weight-only or the down projections smoothed (docs/benchmar
 
     .venv/bin/python scripts/w8a8_flips.py --task arith --decoding entropy \\
         [--keep down,head] [--smoothquant proxy|calibrated --alpha 0.5] [--fp32-embedding] \\
-        [--no-rotation] [--seed 1]
+        [--no-rotation] [--seed 1] [--rotation-seeds 0,1,2]
 
 Runs fp32 first, then w8a8 (the variant) on the same problems (the held-out split, or `--num`
 fresh draws from `--seed`), the way `cover-vllm eval` runs a row (`eval.evaluate_one`, kv_cache
@@ -11,18 +11,22 @@ none, fp32 activations, one thread), and prints each decoder's accuracy and the 
 lost and gained against fp32. `--keep` roles: qkv, out, gate_up, down, head
 (w8a8_outliers.roles); those groups get int8's weight-only kernel instead (same codes).
 `--no-rotation`: w8a8 without its input rotation (`QuantConfig(rotation=False)`), as it
-shipped first.
+shipped first. `--rotation-seeds`: w8a8 once per seed of the rotation's random signs (0: the
+shipped signs; every seed gives an equally valid R), then each decoder's spread of the
+difference to fp32 over the seeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 
 import torch
 
 from cover_vllm import LLM
 from cover_vllm.eval import evaluate_one, problems
+from cover_vllm.models import quant_format
 from cover_vllm.models.layers import projection_groups
 from cover_vllm.models.quant_format import QuantConfig
 from cover_vllm.strategies import strategy_class
@@ -73,6 +77,8 @@ def main() -> None:
                    "in the model dtype (QuantConfig(embedding=False))")
     p.add_argument("--no-rotation", action="store_true", help="w8a8 without the input "
                    "rotation (QuantConfig(rotation=False))")
+    p.add_argument("--rotation-seeds", default="0", help="seeds of the rotation's signs, "
+                   "comma-separated: one w8a8 run each (0: the shipped signs)")
     args = p.parse_args()
     torch.set_num_threads(1)
     task, decodings = get_task(args.task), args.decoding.split(",")
@@ -82,19 +88,28 @@ def main() -> None:
         keep_weight_only(set(args.keep.split(",")))
     quantization = QuantConfig("w8a8", embedding=False if args.fp32_embedding else None,
                                rotation=False if args.no_rotation else None)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = "cover-tiny"
-        if args.smoothquant:
-            path, seen = down_inputs("cover-tiny")
-            write_smoothed(path, seen, args.alpha, args.smoothquant == "proxy", tmp)
-            model = tmp
-        got = solved(model, quantization, task, examples, decodings)
-    for name in decodings:
-        lost = sum(a and not b for a, b in zip(want[name], got[name]))
-        gained = sum(b and not a for a, b in zip(want[name], got[name]))
-        fp32, w8a8 = (100 * sum(v[name]) / len(examples) for v in (want, got))
-        print(f"{args.task} {name}: fp32 {fp32:.1f} %, w8a8 {w8a8:.1f} % ({w8a8 - fp32:+.1f}); "
-              f"lost {lost}, gained {gained}")
+    deltas: dict[str, list[float]] = {name: [] for name in decodings}
+    for seed in map(int, args.rotation_seeds.split(",")):
+        quant_format.ROTATION_SEED = seed
+        with tempfile.TemporaryDirectory() as tmp:
+            model = "cover-tiny"
+            if args.smoothquant:
+                path, seen = down_inputs("cover-tiny")
+                write_smoothed(path, seen, args.alpha, args.smoothquant == "proxy", tmp)
+                model = tmp
+            got = solved(model, quantization, task, examples, decodings)
+        for name in decodings:
+            lost = sum(a and not b for a, b in zip(want[name], got[name]))
+            gained = sum(b and not a for a, b in zip(want[name], got[name]))
+            fp32, w8a8 = (100 * sum(v[name]) / len(examples) for v in (want, got))
+            deltas[name].append(w8a8 - fp32)
+            print(f"{args.task} {name} rotation seed {seed}: fp32 {fp32:.1f} %, w8a8 "
+                  f"{w8a8:.1f} % ({w8a8 - fp32:+.1f}); lost {lost}, gained {gained}", flush=True)
+    if len(deltas[decodings[0]]) > 1:
+        for name, d in deltas.items():
+            print(f"{args.task} {name} over {len(d)} rotation seeds: "
+                  f"mean {statistics.mean(d):+.2f}, sd {statistics.stdev(d):.2f}, range {min(d):+.1f} .. {max(d):+.1f}, "
+                  f"within 1 point in {sum(abs(x) <= 1 for x in d)}")
 
 
 if __name__ == "__main__":

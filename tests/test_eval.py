@@ -1,12 +1,14 @@
-"""`cover-vllm eval` on the shipped cover-tiny: its accuracy agrees with an independent check."""
+"""`cover-vllm eval` on the shipped cover-tiny: its accuracy agrees with an independent check,
+and `--baseline` pairs two runs problem by problem."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 
 from cover_vllm import LLM
 from cover_vllm.entrypoints.cli import main
-from cover_vllm.eval import evaluate_one
+from cover_vllm.eval import EvalRow, compare, evaluate_one, row_key, sign_test
 from cover_vllm.tasks import get_task
 
 
@@ -118,3 +120,57 @@ def test_eval_runs_on_a_block_causal_model(tmp_path):
     assert [r["kv_cache"] for r in rows] == ["none", "dual"]
     assert all(r["num"] == 2 and 0 <= r["accuracy"] <= 1 and r["nfe"] > 0 for r in rows)
     assert rows[1]["flops_per_token"] < rows[0]["flops_per_token"]
+
+
+@pytest.mark.parametrize("lost,gained", [(0, 0), (5, 5), (0, 10), (3, 9), (57, 41), (41, 57)])
+def test_sign_test_is_the_exact_binomial_tail(lost, gained):
+    """McNemar's exact test against torch's binomial distribution, computed independently."""
+    import torch
+
+    n = lost + gained
+    if n == 0:
+        assert sign_test(lost, gained) == 1.0
+        return
+    tail = torch.distributions.Binomial(n, torch.tensor(0.5, dtype=torch.float64)).log_prob(
+        torch.arange(min(lost, gained) + 1, dtype=torch.float64)).exp().sum().item()
+    assert sign_test(lost, gained) == pytest.approx(min(1.0, 2 * tail), rel=1e-9)
+
+
+def test_compare_counts_the_problems_lost_and_gained():
+    row = EvalRow(task="arith", decoding="entropy", k=1, kv_cache="none", cache_refresh="-",
+                  num=6, seed=None, accuracy=3 / 6, nfe=1, nfe_per_token=1, tokens_per_step=1,
+                  tokens_per_s=1, remasks=0, flip_flops=0, replaces=0, keeps=0, refreshes=1,
+                  flops_per_token=1, seconds=1, solved="110010")
+    base = dict(asdict(row), accuracy=4 / 6, solved="101110")
+    (paired,) = compare([row], {row_key(base): base})
+    assert (paired.lost, paired.gained, paired.baseline) == (2, 1, 4 / 6)
+    assert paired.p_value == 1.0
+    with pytest.raises(ValueError, match="num=6, seed=3; this run num=6, seed=None"):
+        compare([row], {row_key(base): dict(base, seed=3)})
+
+
+def test_eval_cli_pairs_a_run_with_its_baseline(tmp_path, capsys):
+    """The same problems twice, in fp32 and in bf16: each row's problems lost and gained, and
+    a baseline from another draw, or one written without `solved`, is refused before any work."""
+    base = tmp_path / "fp32.json"
+    common = ["eval", "--model", "cover-tiny", "--task", "word", "--decoding", "low_confidence",
+              "--num", "8", "--threads", "1", "--no-tqdm"]
+    assert main(common + ["--dtype", "float32", "--json", str(base)]) == 0
+    (row,) = json.loads(base.read_text())
+    assert row["seed"] is None and len(row["solved"]) == 8
+    assert row["solved"].count("1") == round(8 * row["accuracy"])
+    capsys.readouterr()
+    assert main(common + ["--dtype", "bfloat16", "--baseline", str(base)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| word | low_confidence | 1 | none")
+                and x.count("|") == 12)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5] == f"{row['accuracy']:.1%}"
+    lost, gained = int(cells[8]), int(cells[9])
+    assert float(cells[7]) == pytest.approx(100 * (gained - lost) / 8, abs=0.051)
+    assert float(cells[10]) == pytest.approx(sign_test(lost, gained), rel=1e-2)
+    assert main(common + ["--seed", "1", "--baseline", str(base)]) == 2
+    assert "ran num=8, seed=None; this run num=8, seed=1" in capsys.readouterr().err
+    base.write_text(json.dumps([{k: v for k, v in row.items() if k != "solved"}]))
+    assert main(common + ["--baseline", str(base)]) == 2
+    assert "lacks ['solved']" in capsys.readouterr().err

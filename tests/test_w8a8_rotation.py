@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models import quant_format
 from cover_vllm.models.loader import build_model
 from cover_vllm.models.quant_format import (QuantConfig, quantize_activations, rotate_columns,
                                             rotate_input, rotation_block, rotation_matrix)
@@ -45,6 +46,18 @@ def test_rotation_is_orthogonal_and_leaves_the_product_unchanged(b):
     spike[0, 3] = 10.0
     assert rotate_columns(spike, b).abs().max() == pytest.approx(10.0 / b ** 0.5)
     assert rotate_columns(x, 1) is x
+
+
+def test_another_rotation_seed_draws_other_signs_of_the_same_kind(monkeypatch):
+    """scripts/w8a8_flips.py --rotation-seeds: a seed other than the shipped 0 gives another
+    orthogonal R (other signs, the same |entries|), and the shipped R comes back with 0."""
+    shipped = rotation_matrix(16)
+    monkeypatch.setattr(quant_format, "ROTATION_SEED", 3)
+    other = rotation_matrix(16)
+    assert not torch.equal(other, shipped) and torch.equal(other.abs(), shipped.abs())
+    assert torch.allclose(other @ other.t(), torch.eye(16), atol=1e-6)
+    monkeypatch.setattr(quant_format, "ROTATION_SEED", 0)
+    assert torch.equal(rotation_matrix(16), shipped)
 
 
 @pytest.mark.parametrize("name", KERNELS)

@@ -23,7 +23,8 @@ def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from cover_vllm.eval import EvalSpec, format_table, run_eval, write_json
+    from cover_vllm.eval import (EvalSpec, check_same_problems, compare, format_paired,
+                                 format_table, load_baseline, run_eval, write_json)
     from cover_vllm.tasks import list_tasks
 
     if args.list_tasks:
@@ -37,6 +38,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     cache_refresh=refreshes, decoding_params=tuple(params.items()),
                     use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype,
                     quantization=args.quantization)
+    baseline = load_baseline(args.baseline) if args.baseline else None   # before any work
+    for base in (baseline or {}).values():
+        if base["task"] in spec.tasks:
+            check_same_problems(base, spec.num, spec.seed)
+
     def progress(row) -> None:
         k = "" if row.k is None else f" k={row.k}"
         print(f"[eval] {row.task} {row.decoding}{k} {row.kv_cache} {row.cache_refresh}: "
@@ -48,6 +54,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
+    if baseline is not None:
+        paired = compare(rows, baseline)
+        if not paired:
+            raise ValueError(f"--baseline {args.baseline}: no row has this run's task, decoding, "
+                             "k, kv_cache and cache_refresh")
+        print(f"\nagainst {args.baseline} (the same problems; p: exact sign test of the "
+              "problems lost vs gained)")
+        print(format_paired(paired))
 
 
 def _decoding_params(value: dict | None, decodings: tuple[str, ...]) -> dict:
@@ -250,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh policies for prefix/dual rows, comma-separated: block, "
                    "interval:N, adaptive")
     e.add_argument("--json", default=None, help="write one object per (task, decoding) here")
+    e.add_argument("--baseline", default=None, metavar="JSON",
+                   help="an earlier --json on the same problems: print each row's problems lost "
+                   "and gained against it, and the sign test's p")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
     add_engine_flags(e, ["dtype", "num_threads", "quantization"])
     e.add_argument("--no-tqdm", action="store_true", help="no progress bars")

@@ -20,6 +20,7 @@ QUANT_BUFFERS = ("qweight", "weight_scale", "weight_zero", "qresidual")
 EMBEDDING_RESIDUAL_STEPS = 14   # w8a8's embedding: the residual's step is 1/14 of int8's
 ROTATION_BLOCK = 128            # w8a8's input rotation: the most input columns one block mixes
 ROTATION_TP_RANKS = 8           # ... and its blocks stay whole on every split up to 8 ranks
+ROTATION_SEED = 0               # ... and its random signs (scripts/w8a8_flips.py varies it)
 _ALLOWED = ("None, 'int8', 'int4', 'int4:G' (G = 32, 64, 128 or 256 input columns per scale) "
             "or 'w8a8'")
 
@@ -262,22 +263,23 @@ def rotation_block(in_features: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _signed_hadamard(b: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+def _signed_hadamard(b: int, device: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    signs = torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(b)) * 2 - 1
+    draw = torch.Generator().manual_seed(b + 1000 * seed)
+    signs = torch.randint(0, 2, (b,), generator=draw) * 2 - 1
     return (signs[:, None] * h).to(device=device, dtype=dtype)        # D H_b, entries +-1
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation_matrix(b: int, device: str) -> torch.Tensor:
-    return (_signed_hadamard(b, "cpu", torch.float64) / b ** 0.5).float().to(device)
+def _rotation_matrix(b: int, device: str, seed: int) -> torch.Tensor:
+    return (_signed_hadamard(b, "cpu", torch.float64, seed) / b ** 0.5).float().to(device)
 
 
 def rotation_matrix(b: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """One diagonal block of R, D H_b / sqrt(b) in fp32 [b, b] (R R^T = I; section comment)."""
-    return _rotation_matrix(b, str(device))
+    return _rotation_matrix(b, str(device), ROTATION_SEED)
 
 
 def rotate_columns(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -300,5 +302,5 @@ def rotate_input(x: torch.Tensor, b: int) -> tuple[torch.Tensor, float]:
     if x.dtype != torch.bfloat16:
         return rotate_columns(x, b), 1.0
     k = x.shape[-1]
-    hadamard = _signed_hadamard(b, str(x.device), torch.bfloat16)
+    hadamard = _signed_hadamard(b, str(x.device), torch.bfloat16, ROTATION_SEED)
     return (x.reshape(-1, k // b, b) @ hadamard).view(x.shape), b ** -0.5
