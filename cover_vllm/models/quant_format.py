@@ -211,8 +211,7 @@ def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if config.method != "w8a8":
         return F.linear(x, dequantize(bufs, config).to(x.dtype), linear.bias)
     rotated, factor = rotate_input(x, getattr(linear, "rotation_block", 1))
-    codes, scale = quantize_activations(rotated)
-    scale = scale * factor
+    codes, scale = quantize_activations(rotated, factor=factor)
     w = bufs["qweight"].float() * bufs["weight_scale"].float()[:, None]     # fp32, unrounded
     bias = None if linear.bias is None else linear.bias.float()
     return F.linear(codes.float() * scale, w, bias).to(x.dtype)
@@ -221,19 +220,23 @@ def reference_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # ---- W8A8: activations quantized per row at run time ---------------------------------------
 
 def quantize_activations(x: torch.Tensor, amax: torch.Tensor | None = None,
-                         zero_point: int = 0, overwrite: bool = False
+                         zero_point: int = 0, overwrite: bool = False, factor: float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, k] (any float dtype) -> (codes [T, k], scale fp32 [T, 1]): symmetric per row,
     x ~ codes * scale, codes in [-127, 127], scale = max|x_row| / 127 (an all-zero row: 1).
     `zero_point` 128 returns codes + 128 as uint8 (oneDNN's u8 input), 0 int8 codes.
     `amax` [T, 1]: the rows' max |x| to scale by instead, when x holds a slice of longer rows
     (a row-parallel rank's input columns: TP=1's scales, so the codes are TP=1's).
-    `overwrite`: x is an fp32 temporary (a rotated input) the codes may be computed in."""
+    `overwrite`: x is an fp32 temporary (a rotated input) the codes may be computed in.
+    `factor`: the rows stand for factor * x (`rotate_input`'s 1 / sqrt(b) for a bf16 input): the
+    codes are x's, the scale returned is factor times theirs."""
     if amax is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     codes = x if overwrite and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
     codes = codes.div_(scale).round_().clamp_(-127, 127)
+    if factor != 1.0:
+        scale = scale * factor
     if zero_point:
         return codes.add_(zero_point).to(torch.uint8), scale
     return codes.to(torch.int8), scale

@@ -74,9 +74,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
     """The exact W8A8 product (module doc) of x [T, k] with codes q [n, k] and fp32 scales
     [n]: the int32 sum computed in float64 (exact), the scales in fp32 in the kernels' order.
     `x_factor`: a factor of every row's scale (a bf16 rotated input's 1 / sqrt(b))."""
-    codes, x_scale = quantize_activations(x)
-    if x_factor != 1.0:
-        x_scale = x_scale * x_factor
+    codes, x_scale = quantize_activations(x, factor=x_factor)
     acc = F.linear(codes.double(), q.double()).float()                   # [T, n]
     out = acc.mul_(w_scale.float()).mul_(x_scale)
     return (out if bias is None else out.add_(bias.float())).to(x.dtype)
@@ -116,9 +114,8 @@ class _Kernel:
         amax = None
         if self.row is not None:
             amax = self.row.amax(x.abs().amax(dim=-1, keepdim=True).float())
-        codes, x_scale = quantize_activations(x, amax, self.zero_point, overwrite=rotated)
-        if factor != 1.0:
-            x_scale = x_scale * factor
+        codes, x_scale = quantize_activations(x, amax, self.zero_point, overwrite=rotated,
+                                              factor=factor)
         if self.reduces_output:
             sums = self.row.total(self._sums(codes).to(torch.int32))
             out = sums.float().mul_(self.w_scale)
