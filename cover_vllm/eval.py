@@ -202,6 +202,13 @@ def load_baseline(path: str) -> dict[tuple, dict]:
     return {row_key(r): r for r in rows}
 
 
+def lost_gained(baseline: str, run: str) -> tuple[int, int]:
+    """Two runs' `solved` on the same problems -> (problems the baseline solved and the run did
+    not, the other way round)."""
+    pairs = list(zip(baseline, run, strict=True))
+    return pairs.count(("1", "0")), pairs.count(("0", "1"))
+
+
 def sign_test(lost: int, gained: int) -> float:
     """Exact two-sided p of `lost` vs `gained` discordant pairs under no difference (each
     flip equally likely either way): McNemar's exact test, the binomial(n, 1/2) tail."""
@@ -239,8 +246,7 @@ def compare(rows: list[EvalRow], baseline: dict[tuple, dict]) -> list[PairedRow]
         if base is None:
             continue
         check_same_problems(base, row["num"], row["seed"])
-        pairs = list(zip(base["solved"], row["solved"]))
-        lost, gained = pairs.count(("1", "0")), pairs.count(("0", "1"))
+        lost, gained = lost_gained(base["solved"], row["solved"])
         paired.append(PairedRow(row_key(row), base["accuracy"], row["accuracy"], lost, gained,
                                 sign_test(lost, gained)))
     return paired

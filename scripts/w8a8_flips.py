@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from cover_vllm import LLM
-from cover_vllm.eval import evaluate_one, problems
+from cover_vllm.eval import evaluate_one, lost_gained, problems, sign_test
 from cover_vllm.models import quant_format
 from cover_vllm.models.layers import projection_groups
 from cover_vllm.models.quant_format import QuantConfig
@@ -51,16 +51,16 @@ def keep_weight_only(kinds: set[str]) -> None:
     worker.quantize_model = patched
 
 
-def solved(model: str, quantization, task, examples, decodings: list[str]) -> dict:
+def solved(model: str, quantization, task, examples, decodings: list[str]) -> dict[str, str]:
+    """Each decoder's `solved` (eval.EvalRow: "1"/"0" a problem) on `examples`."""
     llm = LLM(model, quantization=quantization, num_threads=1, dtype="float32",
               kv_cache="none", decoding=decodings[0])
     out = {}
     for name in decodings:
         llm.reset_prefix_cache()
         k = 1 if strategy_class(name).fixed_schedule else None
-        _, outs = evaluate_one(llm, task, examples, name, k, None, False)
-        out[name] = [bool(task.check(ex.prompt, o.outputs[0].text))
-                     for ex, o in zip(examples, outs)]
+        row, _ = evaluate_one(llm, task, examples, name, k, None, False)
+        out[name] = row.solved
     return out
 
 
@@ -88,27 +88,28 @@ def main() -> None:
         keep_weight_only(set(args.keep.split(",")))
     quantization = QuantConfig("w8a8", embedding=False if args.fp32_embedding else None,
                                rotation=False if args.no_rotation else None)
-    deltas: dict[str, list[float]] = {name: [] for name in decodings}
-    for seed in map(int, args.rotation_seeds.split(",")):
-        quant_format.ROTATION_SEED = seed
-        with tempfile.TemporaryDirectory() as tmp:
-            model = "cover-tiny"
-            if args.smoothquant:
-                path, seen = down_inputs("cover-tiny")
-                write_smoothed(path, seen, args.alpha, args.smoothquant == "proxy", tmp)
-                model = tmp
+    model = "cover-tiny"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoothquant:            # the smoothed checkpoint does not depend on the signs
+            path, seen = down_inputs("cover-tiny")
+            write_smoothed(path, seen, args.alpha, args.smoothquant == "proxy", tmp)
+            model = tmp
+        deltas: dict[str, list[float]] = {name: [] for name in decodings}
+        for seed in map(int, args.rotation_seeds.split(",")):
+            quant_format.ROTATION_SEED = seed
             got = solved(model, quantization, task, examples, decodings)
-        for name in decodings:
-            lost = sum(a and not b for a, b in zip(want[name], got[name]))
-            gained = sum(b and not a for a, b in zip(want[name], got[name]))
-            fp32, w8a8 = (100 * sum(v[name]) / len(examples) for v in (want, got))
-            deltas[name].append(w8a8 - fp32)
-            print(f"{args.task} {name} rotation seed {seed}: fp32 {fp32:.1f} %, w8a8 "
-                  f"{w8a8:.1f} % ({w8a8 - fp32:+.1f}); lost {lost}, gained {gained}", flush=True)
+            for name in decodings:
+                lost, gained = lost_gained(want[name], got[name])
+                fp32, w8a8 = (100 * v[name].count("1") / len(examples) for v in (want, got))
+                deltas[name].append(w8a8 - fp32)
+                print(f"{args.task} {name} rotation seed {seed}: fp32 {fp32:.1f} %, w8a8 "
+                      f"{w8a8:.1f} % ({w8a8 - fp32:+.1f}); lost {lost}, gained {gained} "
+                      f"(p {sign_test(lost, gained):.2g})", flush=True)
     if len(deltas[decodings[0]]) > 1:
         for name, d in deltas.items():
             print(f"{args.task} {name} over {len(d)} rotation seeds: "
-                  f"mean {statistics.mean(d):+.2f}, sd {statistics.stdev(d):.2f}, range {min(d):+.1f} .. {max(d):+.1f}, "
+                  f"mean {statistics.mean(d):+.2f}, sd {statistics.stdev(d):.2f}, "
+                  f"range {min(d):+.1f} .. {max(d):+.1f}, "
                   f"within 1 point in {sum(abs(x) <= 1 for x in d)}")
 
 
