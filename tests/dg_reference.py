@@ -21,6 +21,8 @@ import torch
 from torch.distributions import Categorical
 
 
+LOGIT_TOL = 1e-4   # the golden forward logits' bar (the README's observed independent spread: 2e-5)
+
 @dataclass
 class RefStep:
     """What one denoising step drew and decided (the golden trace's fields)."""
@@ -31,6 +33,7 @@ class RefStep:
     renoise: list[int]
     argmax: list[int]
     mean_entropy: float
+    entropy_slope: float     # bound on |d mean_entropy| per unit of raw-logit error
 
 
 @dataclass
@@ -59,6 +62,15 @@ def entropy_accept(processed: torch.Tensor, bound: float) -> tuple[torch.Tensor,
     return accepted, h
 
 
+def entropy_slope(processed: torch.Tensor, temp: torch.Tensor) -> float:
+    """How far the mean entropy of [C, V] `processed` = logits / temp can move per unit of
+    error in the raw logits, to first order: dH/dz_j = -p_j (log p_j + H), so an error of at
+    most e in every logit moves a position's H by at most e * sum_j p_j |log p_j + H| / temp."""
+    logp = torch.log_softmax(processed.float(), dim=-1)
+    h = -(logp.exp() * logp).sum(-1, keepdim=True)
+    return float((logp.exp() * (logp + h).abs()).sum(-1).mean() / temp)
+
+
 def reference_generate(model, prompt: list[int], params: dict, seed: int) -> RefResult:
     """Tokens and decoder-forward count of `generate(prompt, **params)` after
     `torch.manual_seed(seed)` (a fresh CPU generator: the README's replay rule)."""
@@ -81,7 +93,8 @@ def reference_generate(model, prompt: list[int], params: dict, seed: int) -> Ref
                 logits = model(input_ids=ids, decoder_input_ids=canvas,
                                self_conditioning_logits=sc)
             result.nfe += 1
-            processed = logits / temperature(t_min, t_max, cur, steps)
+            temp = temperature(t_min, t_max, cur, steps)
+            processed = logits / temp
             probs = torch.softmax(processed.float(), dim=-1)
             sample = torch.multinomial(probs.view(c, vocab), 1, generator=gen).view(1, c)
             accepted, h = entropy_accept(processed[0], bound)
@@ -89,7 +102,8 @@ def reference_generate(model, prompt: list[int], params: dict, seed: int) -> Ref
             argmax = processed.argmax(-1)
             result.steps[-1].append(RefStep(canvas[0].tolist(), sample[0].tolist(),
                                             accepted.int().tolist(), renoise[0].tolist(),
-                                            argmax[0].tolist(), float(h.mean())))
+                                            argmax[0].tolist(), float(h.mean()),
+                                            entropy_slope(processed[0], temp)))
             canvas = torch.where(accepted[None], sample, renoise)
             stable = stability == 0 or (len(history) >= stability and all(
                 torch.equal(argmax, old) for old in history[-stability:]))

@@ -24,10 +24,10 @@ from cover_vllm.models.loader import build_model, load_model
 from cover_vllm.models.quantization import load_quantized_model, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.worker.memory import GiB, weight_bytes
+from dg_reference import LOGIT_TOL
 from golden_cases import GOLDEN
 
 DIR = GOLDEN / "diffusion_gemma"
-LOGIT_TOL = 1e-4          # the bar (the README's observed independent spread: 2e-5)
 
 
 def golden_calls(g: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

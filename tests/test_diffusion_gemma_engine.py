@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections import defaultdict
 
@@ -24,7 +23,7 @@ import torch
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.models.loader import load_model
-from dg_reference import reference_generate
+from dg_reference import LOGIT_TOL, reference_generate
 from golden_cases import GOLDEN, load_cases
 
 DIR = GOLDEN / "diffusion_gemma"
@@ -88,8 +87,13 @@ def test_the_reference_reproduces_the_golden_trace(model, case):
         for want, got in zip(canvas["steps"], steps, strict=True):
             for name in ("decoder_input_ids", "sample", "accepted", "renoise", "argmax"):
                 assert want[name][0] == getattr(got, name), (case["name"], name)
-            assert math.isclose(want["mean_entropy"][0], got.mean_entropy, rel_tol=1e-4,
-                                abs_tol=1e-6)
+            # The logged entropy inherits the forward's error: the golden logits' bar
+            # (LOGIT_TOL) times the entropy's first-order slope, plus fp32 rounding of the sum.
+            # A fixed rel_tol of 1e-4 failed on a Xeon with AMX (1.16e-4 at H = 0.0127, where
+            # the bound is 1.4e-5); measured on an AMD EPYC, the errors imply logit errors of
+            # at most 1.03e-5 (2026-11-27).
+            tol = LOGIT_TOL * got.entropy_slope + 1e-6
+            assert abs(want["mean_entropy"][0] - got.mean_entropy) <= tol, (case["name"], tol)
 
 
 # ---- the engine on the golden cases ----------------------------------------------------------
