@@ -77,6 +77,7 @@ class Engine:
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
         # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
         meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
+        self.dims = meta.dims                                   # layers, heads, vocabulary
         self.flop_model = FlopModel.of(meta, meta.dims)
         self.quantization = parse_quantization(config.quantization)   # ValueError names it
         check_quantization(meta, self.quantization, config.tensor_parallel_size)
