@@ -36,11 +36,12 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size)) if weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            x32 = x32 * self.weight.float()
-        return x32.to(x.dtype)
+        """`F.rms_norm` computes in fp32 (a weight of x's dtype widened exactly) and rounds
+        once: the official fp32 formula bit for bit, one kernel on CUDA."""
+        w, shape = self.weight, (x.shape[-1],)
+        if w is not None and w.dtype != x.dtype:        # a weight kept in another dtype
+            return F.rms_norm(x.float(), shape, w.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, shape, w, self.eps)
 
 
 class GemmaRope(nn.Module):
