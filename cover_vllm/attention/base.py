@@ -97,7 +97,7 @@ class AttentionMetadata:
                                             # token sees (block-causal); None: no bound
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
-    _ov_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    _flat_key_slots: torch.Tensor | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -107,12 +107,12 @@ class AttentionMetadata:
     def num_extra(self) -> int:
         return int(self.ex_out.numel())
 
-    def override_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([R] distinct predictor rows (flat tokens), [S] index of each override's row in them),
-        built on first use (only the closed-form path needs them)."""
-        if self._ov_rows is None:
-            self._ov_rows = torch.unique(self.ov_row, return_inverse=True)
-        return self._ov_rows
+    @property
+    def flat_key_slots(self) -> torch.Tensor:
+        """[B * Kmax] `key_slots` flattened, made once per forward (every layer's gather)."""
+        if self._flat_key_slots is None:
+            self._flat_key_slots = self.key_slots.reshape(-1)
+        return self._flat_key_slots
 
     def visible(self, seqs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, Kmax] bool: the key columns that window row `rows[n]` (a flat token) of sequence
@@ -256,7 +256,7 @@ def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     every window is full length)."""
     b, q_max = meta.q_index.shape
     if meta.dense_queries:
-        return q[:b * q_max].view(b, q_max, *q.shape[1:])
+        return q.view(b, q_max, *q.shape[1:])     # q holds the window rows only (`attend`)
     return q[meta.q_index]
 
 
@@ -266,10 +266,12 @@ def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return flat if meta.dense_queries else flat[meta.out_index]
 
 
-def gather_pages(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, slots: torch.Tensor,
+                 flat: torch.Tensor | None = None) -> torch.Tensor:
     """cache [slots, Hkv, d] at slots [B, K] -> [B, K, Hkv, d] (index_select: ~1.6x faster on CPU
-    than 2-D advanced indexing)."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    than 2-D advanced indexing); `flat`: the slots already flattened [B * K]."""
+    flat = slots.reshape(-1) if flat is None else flat
+    return cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
 
 
 class AttentionBackend(ABC):
@@ -286,16 +288,17 @@ class AttentionBackend(ABC):
         rows attended over (for statistics that need them)."""
         k_cache, v_cache = cache
         t = meta.num_window_tokens
-        k_new, v_new = ((k[:t], v[:t]) if meta.write_all else
+        qw, kw, vw = (q, k, v) if meta.num_extra == 0 else (q[:t], k[:t], v[:t])   # window rows
+        k_new, v_new = ((kw, vw) if meta.write_all else
                         (k.index_select(0, meta.write_index), v.index_select(0, meta.write_index)))
         k_cache.index_copy_(0, meta.write_slots, k_new)
         v_cache.index_copy_(0, meta.write_slots, v_new)
-        keys = gather_pages(k_cache, meta.key_slots)       # [B, Kmax, Hkv, d]
-        values = gather_pages(v_cache, meta.key_slots)
+        keys = gather_pages(k_cache, meta.key_slots, meta.flat_key_slots)  # [B, Kmax, Hkv, d]
+        values = gather_pages(v_cache, meta.key_slots, meta.flat_key_slots)
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
         else:
-            o = torch.cat([self.attend(q[:t], k[:t], v[:t], keys, values, meta),
+            o = torch.cat([self.attend(qw, kw, vw, keys, values, meta),
                            self.attend_extra(q, k, v, keys, values, meta)])
         return (o, keys) if return_keys else o
 

@@ -60,33 +60,33 @@ def apply_override_correction(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         p.mul_(meta.override_visible().to(p.dtype)[None, :, None])
     delta_num = (p.unsqueeze(-1) * vv).sum(0)                                  # [S, H, d]
     delta_den = p.sum(0)                                                       # [S, H]
-    rows, inverse = meta.override_rows()
-    if len(rows) == num:                 # one override per row: no reduction needed
-        rows, seqs, inverse = meta.ov_row, meta.ov_seq, torch.arange(num, device=o.device)
-    else:
-        delta_num = delta_num.new_zeros(len(rows), num_heads, head_dim).index_add_(
-            0, inverse, delta_num)
-        delta_den = delta_den.new_zeros(len(rows), num_heads).index_add_(
-            0, inverse, delta_den)
-        seqs = meta.ov_seq.new_zeros(len(rows)).scatter_(0, inverse, meta.ov_seq)
+    # a row with several overrides takes all of them (they compose): sum per row on the flat
+    # token axis and read every override's row total back. No distinct-row set (`unique`):
+    # nothing here depends on values, so nothing waits for the host. A row with several
+    # overrides computes (and writes) the same corrected output once per override.
+    rows, t = meta.ov_row, o.shape[0]
+    delta_num = delta_num.new_zeros(t, num_heads, head_dim).index_add_(
+        0, rows, delta_num).index_select(0, rows)
+    delta_den = delta_den.new_zeros(t, num_heads).index_add_(0, rows, delta_den).index_select(
+        0, rows)
     before = (o.index_select(0, rows) if o.dtype == torch.float32
-              else _rows_output(q, keys, values, lse, rows, seqs, inverse, meta))
+              else _rows_output(q, keys, values, lse, meta))
     fixed = (before + delta_num) / (delta_den + 1.0).unsqueeze(-1)
     return o.index_copy_(0, rows, fixed if fixed.dtype == o.dtype else fixed.to(o.dtype))
 
 
 def _rows_output(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lse: torch.Tensor,
-                 rows: torch.Tensor, seqs: torch.Tensor, inverse: torch.Tensor,
                  meta) -> torch.Tensor:
-    """The uncorrected attention output of predictor `rows` (of sequences `seqs`), recomputed in
-    fp32 from their LSE: when the backend's output is bf16/fp16, its rounding would be divided
-    by the correction's normaliser (which can be well below 1) and grow. [R, H, d], fp32."""
+    """The uncorrected attention output of every override's predictor row, recomputed in fp32
+    from its LSE: when the backend's output is bf16/fp16, its rounding would be divided by the
+    correction's normaliser (which can be well below 1) and grow. [S, H, d], fp32 (per-row fp32
+    copies of the context K/V: the price of the closed form in half precision; `mask` has none)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    row_lse = lse.new_zeros(len(rows), num_heads).index_copy_(0, inverse, lse)    # [R, H]
-    k = expand_kv_heads(keys.index_select(0, seqs), num_heads).float()             # [R, K, H, d]
+    rows, seqs = meta.ov_row, meta.ov_seq
+    k = expand_kv_heads(keys.index_select(0, seqs), num_heads).float()             # [S, K, H, d]
     v = expand_kv_heads(values.index_select(0, seqs), num_heads).float()
     scores = torch.einsum("rhd,rkhd->rhk", q.index_select(0, rows).float(), k) * head_dim ** -0.5
-    p = torch.exp(scores - row_lse[..., None])
+    p = torch.exp(scores - lse[..., None])
     p = p.masked_fill(~meta.visible(seqs, rows)[:, None, :], 0.0)
     return torch.einsum("rhk,rkhd->rhd", p, v)
 

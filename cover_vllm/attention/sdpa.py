@@ -11,7 +11,11 @@ override rows.
   call, exact without any correction, in six ops per layer; it needs a kernel that takes a
   full [Q, K] mask, which torch's CPU flash kernel does.
 
-`auto` (the default) is `mask` on CPU and `closed_form` elsewhere. Extra rows (WINO's shadow
+`auto` (the default) is `mask` on every device (issue #42): the forward of a COVER step is then
+the plain forward plus six ops per layer (two gathers, two concatenations, two views), and no
+per-row fp32 copy of the context K/V. The closed form stays selectable; it waits for nothing
+(no `unique`, no host read), but in half precision it recomputes each override row's output in
+fp32 from [S, Kmax, H, d] copies of its sequence's K/V (attention/correction.py). Extra rows (WINO's shadow
 block) run as a second fused call over [canvas keys, their own keys] with their boolean allowed
 mask.
 """
@@ -41,10 +45,9 @@ class SDPABackend(AttentionBackend):
         self.override = override
 
     def _mask_overrides(self, q: torch.Tensor) -> bool:
-        """`auto`: the mask on CPU (and on "meta", whose shapes-only run cannot take the closed
-        form's data-dependent `unique`), the closed form elsewhere."""
-        return self.override == "mask" or (self.override == "auto"
-                                           and q.device.type in ("cpu", "meta"))
+        """`auto`: the mask on every device (the fewest ops; SDPA's CPU flash kernel and CUDA's
+        memory-efficient kernel both take a float mask)."""
+        return self.override in ("auto", "mask")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
