@@ -98,6 +98,7 @@ class AttentionMetadata:
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
+    _flat_ov_fresh: torch.Tensor | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -113,6 +114,13 @@ class AttentionMetadata:
         if self._flat_key_slots is None:
             self._flat_key_slots = self.key_slots.reshape(-1)
         return self._flat_key_slots
+
+    @property
+    def flat_ov_fresh(self) -> torch.Tensor:
+        """[B * Smax] `ov_fresh` flattened, made once per forward (the `mask` override mode)."""
+        if self._flat_ov_fresh is None:
+            self._flat_ov_fresh = self.ov_fresh.reshape(-1)
+        return self._flat_ov_fresh
 
     def visible(self, seqs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, Kmax] bool: the key columns that window row `rows[n]` (a flat token) of sequence

@@ -55,7 +55,7 @@ class SDPABackend(AttentionBackend):
         qp = pad_queries(q, meta).transpose(1, 2)                         # [B, H, Qmax, d]
         gqa = num_heads != k.shape[1]
         if meta.num_overrides and self._mask_overrides(q):
-            fresh = meta.ov_fresh.flatten()
+            fresh = meta.flat_ov_fresh
             shape = (*meta.ov_fresh.shape, *k.shape[1:])                    # [B, Smax, Hkv, d]
             kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
             vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
