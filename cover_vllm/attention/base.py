@@ -99,6 +99,7 @@ class AttentionMetadata:
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
     _flat_ov_fresh: torch.Tensor | None = None
+    _mask: tuple[torch.Tensor | None] | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -139,7 +140,13 @@ class AttentionMetadata:
 
     def mask(self) -> torch.Tensor | None:
         """[B, 1, Qmax or 1, Kmax] bool visibility of the padded query rows (1 row when no
-        sequence bounds its rows), or None when every row sees every column."""
+        sequence bounds its rows), or None when every row sees every column. Built once per
+        forward (every layer reads it)."""
+        if self._mask is None:
+            self._mask = (self._build_mask(),)
+        return self._mask[0]
+
+    def _build_mask(self) -> torch.Tensor | None:
         if self.all_keys_valid:
             return None
         if self.row_limit is None:

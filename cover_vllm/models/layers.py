@@ -26,11 +26,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`F.rms_norm` without a weight normalises in fp32 and rounds once to x.dtype (the
-        official `x.float() * rsqrt(mean(x^2) + eps)`, then `.to(dtype)`, bit for bit); the
-        weight multiplies the rounded result, as in the official code. On CUDA it is one
-        kernel (`_fused_rms_norm`); elsewhere torch decomposes it into the same five ops."""
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        """`F.rms_norm` (one CUDA kernel) normalises in fp32 and rounds once to x.dtype, then the
+        weight multiplies: the official `weight * (x.float() * rsqrt(...)).to(dtype)` exactly."""
+        return self.weight * self.weight_free(x)
+
+    def weight_free(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps)     # the caller applies the weight
 
 
 class RotaryEmbedding(nn.Module):
@@ -257,8 +258,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotate_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
               rot: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, H + 2 Hkv, d] fused projection output -> rotated q [T, H, d], rotated k, v; q and k
-    rotate in one call (RoPE is per head)."""
+    """[T, H + 2 Hkv, d] -> rotated q [T, H, d], rotated k, v (q and k rotate in one call)."""
     qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
     q, k = rot(qk).split([num_heads, num_kv_heads], dim=1)
     return q, k, v
@@ -300,14 +300,26 @@ class SelfAttention(nn.Module):
         if self.q_norm is None and self.clip_qkv is None:
             q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
         else:
-            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
             if self.q_norm is not None:   # per-head RMSNorm after projection, before RoPE
-                q, k = self.q_norm(q), self.k_norm(k)
+                qk = self.q_norm.weight_free(qk) * self._qk_norm_weight(heads, kv_heads)
             if self.clip_qkv is not None:
                 c = self.clip_qkv
-                q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-            q, k = rot(q), rot(k)
+                qk, v = qk.clamp(-c, c), v.clamp(-c, c)
+            q, k = rot(qk).split([heads, kv_heads], dim=1)    # q and k rotate in one call
         return self.o_proj(attn(layer, q, k, v).reshape(t, -1))           # attn: [T, H, d]
+
+    def _qk_norm_weight(self, heads: int, kv_heads: int) -> torch.Tensor:
+        """[H + Hkv, d]: q_norm's weight per query head, then k_norm's per kv head (one multiply,
+        the same products as two); rebuilt when either weight is replaced or written."""
+        wq, wk = self.q_norm.weight, self.k_norm.weight
+        key = (wq.untyped_storage()._cdata, wq.data_ptr(), wq._version, wk.data_ptr(),
+               wk._version, heads, kv_heads, wq.dtype)
+        if getattr(self, "_qk_weight_key", None) != key:
+            d = wq.shape[0]
+            self._qk_weight = torch.cat([wq.expand(heads, d), wk.expand(kv_heads, d)])
+            self._qk_weight_key = key
+        return self._qk_weight
 
 
 class DecoderLayer(nn.Module):
