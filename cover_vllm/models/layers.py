@@ -3,8 +3,7 @@ HF Llama/Qwen2-named attention, decoder layer and decoder stack used by Dream an
 
 Each matches the official code's numerics (RMSNorm and RoPE computed in fp32; see
 ../shared/golden/README.md "Quirks"). LLaDA keeps its own block (its tensors sit flat on the block
-under different names) but uses the same RMSNorm and RotaryEmbedding.
-"""
+under different names) but uses the same RMSNorm and RotaryEmbedding."""
 
 from __future__ import annotations
 
@@ -96,11 +95,9 @@ class FusedLinears:
     """Linear layers that read the same input, run as one GEMM.
 
     `fuse()` re-points each layer's weight (and bias) at a row slice of one [sum(out), in]
-    tensor, so the layers keep their names, shapes and in-place loading (a checkpoint tensor is
-    written straight into its slice), and tensor-parallel shards fuse per rank. A layer whose
-    weight no longer lies in the fused tensor (e.g. after `model.to(...)` re-allocated it) makes
-    `__call__` fall back to one GEMM per layer, so the result never goes stale.
-    """
+    tensor (on every device, meta included): the layers keep their names, shapes and in-place
+    loading, and tensor-parallel shards fuse per rank. A layer whose weight left the fused tensor
+    (`model.to(...)`) makes `__call__` run one GEMM per layer, so the result never goes stale."""
 
     def __init__(self, *linears: nn.Linear):
         self.linears = linears
@@ -116,13 +113,12 @@ class FusedLinears:
 
     @torch.no_grad()
     def pack(self) -> bool:
-        """Replace the fused weight by oneDNN's blocked copy of it (CPU, bf16): the GEMM then
-        skips re-blocking the weight on every call, 1.5-2.4x faster at 32 rows on this
-        project's machine, with the same bits. The plain weights are freed (the layers keep
-        zero-row placeholders), so memory does not grow beyond one group's copy while it is
-        made; a group above PACK_MAX_BYTES (a 7-8B model's LM head, 1 GB) stays plain for that
-        reason. Only an inference engine should call this. Returns whether it packed.
-        A quantized group hands its codes to its kernel instead (`QuantizedGroup.pack`)."""
+        """Replace the fused weight by oneDNN's blocked copy of it (CPU, bf16): the GEMM skips
+        re-blocking it on every call (1.5-2.4x faster at 32 rows here, same bits). The plain
+        weights are freed (zero-row placeholders); a group above PACK_MAX_BYTES (a 7-8B LM
+        head, 1 GB) stays plain, so memory never grows past one group's copy. Only an engine
+        should call this. Returns whether it packed; a quantized group hands its codes to its
+        kernel instead (`QuantizedGroup.pack`)."""
         if self.quant is not None:
             return self.quant.pack()
         if (not self._fused() or self.weight.device.type != "cpu"
@@ -141,7 +137,7 @@ class FusedLinears:
     @torch.no_grad()
     def fuse(self, copy: bool = True) -> None:
         """Allocate the fused tensors and make every layer's parameters views of them (`copy`:
-        keep their current values; False right after materialising, when they hold nothing)."""
+        keep their values; False right after materialising, when they hold nothing)."""
         if self.quant is not None:              # quantized: its buffers fuse the same way
             self.quant.fuse(copy)
             return
@@ -207,14 +203,18 @@ def projection_groups(model: nn.Module) -> list[FusedLinears]:
 
 
 def fuse_projections(model: nn.Module, copy: bool = True) -> None:
-    """Fuse the projections of every module that groups them (`fused_groups()`)."""
+    """Fuse the projections of every module that groups them (`fused_groups()`), then stack
+    what a module runs grouped (`stack_experts`: models/expert_stack.py)."""
     for group in projection_groups(model):
         group.fuse(copy)
+    for module in model.modules():
+        if callable(getattr(module, "stack_experts", None)):
+            module.stack_experts(copy)
 
 
 def pack_projections(model: nn.Module) -> int:
-    """Pack every fused group for oneDNN (`FusedLinears.pack`), and every module's own
-    quantized stacked weights (`pack_stacked`: MoE experts); returns how many were packed."""
+    """Pack every fused group for oneDNN (`FusedLinears.pack`) and every module's quantized
+    stacked weights (`pack_stacked`: MoE experts); returns how many were packed."""
     stacked = [m.pack_stacked() for m in model.modules()
                if callable(getattr(m, "pack_stacked", None))]
     return sum(group.pack() for group in projection_groups(model)) + sum(stacked)

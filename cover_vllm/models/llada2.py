@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan, hf_dims
+from cover_vllm.models.expert_stack import ExpertStack, uses_stack
 from cover_vllm.models.layers import FusedLinears, RMSNorm, RotaryEmbedding, Rotation, SwiGLU
 from cover_vllm.models.query_masks import masked_dense_forward
 from cover_vllm.models.spec import ModelSpec
@@ -142,6 +143,10 @@ class LLaDA2SparseMoE(nn.Module):
         shared = cfg.get("num_shared_experts")
         self.shared_experts = (SwiGLU(hidden_size, width * shared, reduce_output=False)
                                if shared else None)
+        self.stack: ExpertStack | None = None      # off the CPU: grouped GEMMs, no host sync
+
+    def stack_experts(self, copy: bool) -> None:
+        self.stack = ExpertStack.build(self.experts, copy)
 
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(reduce_output=True)
@@ -150,6 +155,9 @@ class LLaDA2SparseMoE(nn.Module):
         """x: [T, hidden] -> [T, hidden]. One batched call per expert over its tokens; the
         weighted sum is accumulated in fp32 and cast back once, as the official `moe_infer`."""
         weights, chosen = self.gate(x)                       # [T, k] fp32, [T, k]
+        if uses_stack(self.stack, x):
+            out = self.stack(x, weights, chosen, torch.float32)
+            return out if self.shared_experts is None else out + self.shared_experts(x)
         k = chosen.shape[1]
         flat = chosen.reshape(-1)                            # [T * k], token-major
         order = flat.argsort(stable=True)                    # slots grouped by expert

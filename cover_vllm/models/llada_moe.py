@@ -37,6 +37,7 @@ from cover_vllm.models.base import (ModelDims, ParallelPlan, hf_dims,
                                      key_padding_forward)
 from cover_vllm.models.layers import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
                                       StackedLM, SwiGLU)
+from cover_vllm.models.expert_stack import ExpertStack, uses_stack
 from cover_vllm.models.spec import ModelSpec
 
 
@@ -68,6 +69,10 @@ class SparseMoE(nn.Module):
                                      for _ in range(num_experts))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts))
                             if cfg.get("moe_router_enable_expert_bias") else None)
+        self.stack: ExpertStack | None = None      # off the CPU: grouped GEMMs, no host sync
+
+    def stack_experts(self, copy: bool) -> None:
+        self.stack = ExpertStack.build(self.experts, copy)
 
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(reduce_output=True)
@@ -84,6 +89,8 @@ class SparseMoE(nn.Module):
         """x: [T, hidden] -> [T, hidden]. One batched call per expert over the tokens routed to it;
         contributions are accumulated in expert order, as the official loop does."""
         weights, chosen = self.route(x)
+        if uses_stack(self.stack, x):
+            return self.stack(x, weights, chosen, x.dtype)
         flat = chosen.reshape(-1)                                # [T * k], token-major
         order = flat.argsort(stable=True)                        # slots grouped by expert
         token = order // self.top_k                              # [T * k] token of each slot
