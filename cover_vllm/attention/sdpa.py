@@ -15,9 +15,10 @@ override rows.
 the plain forward plus six ops per layer (two gathers, two concatenations, two views), and no
 per-row fp32 copy of the context K/V. The closed form stays selectable; it waits for nothing
 (no `unique`, no host read), but in half precision it recomputes each override row's output in
-fp32 from [S, Kmax, H, d] copies of its sequence's K/V (attention/correction.py). Extra rows (WINO's shadow
-block) run as a second fused call over [canvas keys, their own keys] with their boolean allowed
-mask.
+fp32 from [S, Kmax, H, d] copies of its sequence's K/V (attention/correction.py).
+
+Extra rows (WINO's shadow block) run as a second fused call over [canvas keys, their own keys]
+with their boolean allowed mask.
 """
 
 from __future__ import annotations
