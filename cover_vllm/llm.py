@@ -163,14 +163,44 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, **template_options: Any) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them, each rendered by the chat template.
+
+        Messages are checked as the server checks them (roles system, developer, user,
+        assistant; text content): a bad one raises ValueError naming messages[i].role (with a
+        list of conversations, messages[c][i]...) before anything is queued.
+        `template_options` are vLLM's: `chat_template` (a Jinja template, or a path to one,
+        replacing the tokenizer's), `add_generation_prompt` (True), `continue_final_message`
+        (False) and `chat_template_kwargs` (extra template variables): ChatTemplateOptions,
+        cover_vllm/chat.py.
+        """
+        from cover_vllm.chat import check_messages
         from cover_vllm.tokenizer import apply_chat_template
 
+        options = _template_options(template_options)
+        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(
+            messages[0], dict)
+        conversations = [messages] if single else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': "
+                             "...} dicts, or a list of such conversations")
+        checked = [check_messages(conv, "messages" if single else f"messages[{c}]")
+                   for c, conv in enumerate(conversations)]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv)}
-                   for conv in conversations]
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv, options)}
+                   for conv in checked]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _template_options(given: dict[str, Any]):
+    """ChatTemplateOptions from LLM.chat's keywords; TypeError naming an unknown one."""
+    from cover_vllm.chat import ChatTemplateOptions
+
+    known = set(ChatTemplateOptions.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"LLM.chat() got unknown keyword(s) {unknown}; chat template options: "
+                        f"{sorted(known)}")
+    return ChatTemplateOptions(**given)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
+
 
 @dataclass
 class RequestMetrics:

@@ -24,9 +24,10 @@ REFUSED: dict[str, VllmOnly] = {
     "best_of": VllmOnly("there is no best-of ranking: a masked diffusion output has no "
                         "left-to-right log-probability to rank by; use n", (None, 1)),
     "prompt_logprobs": VllmOnly(
-        "a masked diffusion model has no left-to-right per-token prompt likelihood; the "
-        "prompt's Monte-Carlo log-likelihood is LLM.loglikelihood (the server: echo + "
-        "logprobs with max_tokens 0)", (None,)),
+        "a masked model gives a prompt token's log p(x_i | x_<i) only from a forward of its "
+        "own (x_<i then [MASK]), one per prompt token, so it is its own request: "
+        "LLM.loglikelihood, or the server's /v1/completions with echo + logprobs",
+        (None,)),
     "bad_words": VllmOnly("banned word sequences need a left-to-right prefix to match; use "
                           "structured_outputs (regex, grammar) to exclude text", (None, [], ())),
     "spaces_between_special_tokens": VllmOnly(

@@ -8,9 +8,9 @@ from typing import Any
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
+from cover_vllm.outputs import MAX_LOGPROBS
 from cover_vllm.sampling_fields import check_processing_fields, check_refused_fields
 
-MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
 MAX_N = 64            # most outputs per prompt (`n`), offline and on the server alike
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
