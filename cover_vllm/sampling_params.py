@@ -117,6 +117,14 @@ class SamplingParams:
     `structured_outputs` constrains the output (StructuredOutputsParams; a dict of its fields is
     accepted too): every decoder commits only tokens the grammar allows after the committed
     prefix, and the request ends when the value is complete.
+
+    vLLM's other fields (cover_vllm/sampling_fields.py): `repetition_penalty`,
+    `frequency_penalty`, `presence_penalty`, `min_p` and `min_tokens` rewrite the logits every
+    masked decoder reads (engine/logits_processors.py says what each means on a canvas);
+    `skip_special_tokens`, `include_stop_str_in_output` and `detokenize` shape the output text;
+    the rest construct at vLLM's defaults and any other value raises ValueError with the reason
+    (`guided_decoding` is moved to `structured_outputs`). `decoding` and `decoding_params` are
+    checked here against the strategy registry.
     """
 
     max_tokens: int = 64
