@@ -5,7 +5,8 @@ and the server's request bodies, so offline and online refuse alike).
 Implemented (cover_vllm/engine/logits_processors.py applies the first five to the logits every
 decoder reads; the output processor the last three):
 `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
-`skip_special_tokens`, `include_stop_str_in_output`, `detokenize`.
+`skip_special_tokens`, `include_stop_str_in_output`, `detokenize`; and `prompt_logprobs`
+(LLM.generate scores the prompt tokens after generating: llm.py).
 Refused unless at vLLM's default (a value asking for what the engine does anyway is accepted):
 `REFUSED` below. `guided_decoding` is vLLM's older name of `structured_outputs` (SamplingParams
 moves it there).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cover_vllm.outputs import MAX_LOGPROBS
 from cover_vllm.vllm_args import VllmOnly
 
 _BIAS = ("per-token biases are not applied: constrain the output with structured_outputs "
@@ -23,11 +25,6 @@ _BIAS = ("per-token biases are not applied: constrain the output with structured
 REFUSED: dict[str, VllmOnly] = {
     "best_of": VllmOnly("there is no best-of ranking: a masked diffusion output has no "
                         "left-to-right log-probability to rank by; use n", (None, 1)),
-    "prompt_logprobs": VllmOnly(
-        "a masked model gives a prompt token's log p(x_i | x_<i) only from a forward of its "
-        "own (x_<i then [MASK]), one per prompt token, so it is its own request: "
-        "LLM.loglikelihood, or the server's /v1/completions with echo + logprobs",
-        (None,)),
     "bad_words": VllmOnly("banned word sequences need a left-to-right prefix to match; use "
                           "structured_outputs (regex, grammar) to exclude text", (None, [], ())),
     "spaces_between_special_tokens": VllmOnly(
@@ -96,6 +93,11 @@ def check_processing_fields(p: Any, owner: str = "SamplingParams.") -> None:
         if not isinstance(getattr(p, name), bool):
             raise ValueError(f"{owner}{name} must be a bool (True or False), got "
                              f"{getattr(p, name)!r}")
+    k = p.prompt_logprobs
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                          or not 0 <= k <= MAX_LOGPROBS):
+        raise ValueError(f"{owner}prompt_logprobs must be None (off) or an int from 0 to "
+                         f"{MAX_LOGPROBS}, got {p.prompt_logprobs!r}")
     if not p.detokenize and p.stop:
         raise ValueError(f"{owner}stop strings need detokenize=True (they are matched in the "
                          "text); use stop_token_ids")

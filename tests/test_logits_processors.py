@@ -109,6 +109,26 @@ def test_logprobs_stay_the_models_own_under_the_processors(llm):
     assert min(d[t].logprob for d, t in zip(out.logprobs, out.token_ids)) < -1e-3
 
 
+def test_prompt_logprobs_score_each_prompt_token_given_the_ones_before_it(llm):
+    """vLLM's prompt_logprobs: None first, then each prompt token with the k most likely
+    tokens there; the values are the exact one-token likelihoods LLM.loglikelihood gives."""
+    from cover_vllm import LoglikelihoodParams
+
+    out = llm.chat(ADD, SamplingParams(max_tokens=32, prompt_logprobs=2), use_tqdm=False)[0]
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    assert out.outputs[0].text == ANSWER and entries[0] is None and len(entries) == len(ids)
+    pairs = [{"context_token_ids": ids[:i], "continuation_token_ids": [ids[i]]}
+             for i in range(1, len(ids))]
+    exact = llm.loglikelihood(pairs, LoglikelihoodParams(mc_num=1, batch_size=1),
+                              use_tqdm=False)
+    for token, entry, ref in zip(ids[1:], entries[1:], exact):
+        assert abs(entry[token].logprob - ref.logprob) < 1e-4
+        ranked = sorted((lp.rank, lp.logprob) for lp in entry.values() if lp.rank)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+    assert llm.generate(NOISE, SamplingParams(max_tokens=4), use_tqdm=False)[0] \
+        .prompt_logprobs is None
+
+
 def test_a_processed_request_leaves_its_neighbours_tokens_alone(llm):
     plain = SamplingParams(max_tokens=32)
     alone = llm.chat(ADD, plain, use_tqdm=False)[0].outputs[0].token_ids

@@ -32,7 +32,7 @@ def test_every_vllm_field_constructs_at_its_default():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("best_of", 2), ("prompt_logprobs", 1), ("bad_words", ["x"]),
+    ("best_of", 2), ("bad_words", ["x"]),
     ("spaces_between_special_tokens", False), ("logits_processors", [lambda ids, x: x]),
     ("truncate_prompt_tokens", 8), ("output_kind", "delta"), ("logit_bias", {5: 1.0}),
     ("allowed_token_ids", [5, 6]), ("extra_args", {"k": 1}), ("flat_logprobs", True)])
@@ -51,6 +51,7 @@ def test_a_refused_field_names_itself_and_the_reason(field, value):
     (dict(min_tokens=20, max_tokens=16), "min_tokens must be an int from 0 to max_tokens (16)"),
     (dict(skip_special_tokens=0), "skip_special_tokens must be a bool"),
     (dict(detokenize=False, stop=["\n"]), "stop strings need detokenize=True"),
+    (dict(prompt_logprobs=21), "prompt_logprobs must be None (off) or an int from 0 to 20"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, words):
     with pytest.raises(ValueError) as exc:
