@@ -2,7 +2,8 @@
 in one copy.
 
 Per strategy instance, one vectorised `decide` over its requests' views, on the device where the
-forward left the logits (the structured-output frontier rows masked there first), then, for the
+forward left the logits (vLLM's logits processors applied there first, for the requests that set
+them: engine/logits_processors.py; then the structured-output frontier rows masked), then, for the
 requests that asked, the written tokens' logprobs (also on the device). Every group's decision
 tensors then cross to the host together (cover_vllm/host_transfer.py: one copy per step,
 whatever the batch or the mix of strategies), where each strategy `absorb`s its decision (its own
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cover_vllm.engine.logits_processors import process_logits
 from cover_vllm.engine.logprobs import attach_logprobs, logprob_rows
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import SchedulerOutput
@@ -131,6 +133,11 @@ class _Group:
     batch: StepBatch
     decision: Decision                     # device tensors, then (after the copy) host ones
     logprobs: dict[int, tuple]             # row -> logprob_rows' device (then host) tensors
+    raw: dict[int, torch.Tensor]           # row -> its logits before the logits processors
+
+    def raw_logits(self, row: int) -> torch.Tensor:
+        """Request `row`'s logits as the model gave them ([MASK] excluded): what logprobs read."""
+        return self.raw.get(row, self.batch.logits[row])
 
     def tensors(self) -> list[torch.Tensor | None]:
         return self.decision.tensors() + [t for rows in self.logprobs.values() for t in rows]
@@ -194,6 +201,7 @@ def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: lis
     extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
     strategy = reqs[0].strategy
     batch = _batch(reqs, items, [result.logits[i] for i in idx], *stats, extra_logits=extra)
+    raw = process_logits(batch.logits, reqs, [it.view_start for it in items])
     for observer in observers:
         observer.on_decide(strategy, batch)
     saved = mask_frontiers([(r.grammar, batch.logits[row], _frontier_index(r, it))
@@ -201,11 +209,11 @@ def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: lis
     d = strategy.decide(batch)
     restore(saved)
     written = d.commit if d.replace is None else d.commit | d.replace
-    logprobs = {row: logprob_rows(batch.logits[row], written[row], d.tokens[row],
-                                  r.params.logprobs)
+    logprobs = {row: logprob_rows(raw.get(row, batch.logits[row]), written[row],
+                                  d.tokens[row], r.params.logprobs)
                 for row, r in enumerate(reqs)
                 if r.params.logprobs is not None and r.grammar is None}
-    return _Group(strategy, reqs, items, batch, d, logprobs)
+    return _Group(strategy, reqs, items, batch, d, logprobs, raw)
 
 
 def _row(d: Decision, row: int, n: int) -> RowDecision:
@@ -237,7 +245,7 @@ def _late_logprobs(late: list, transfer: HostTransfer) -> None:
     for g, row, decision in late:
         written = decision.commit if decision.replace is None else \
             decision.commit | decision.replace
-        logits = g.batch.logits[row, : written.shape[0]]
+        logits = g.raw_logits(row)[: written.shape[0]]
         parts.append(logprob_rows(logits, written.to(logits.device),
                                   decision.tokens.to(logits.device),
                                   g.reqs[row].params.logprobs))

@@ -228,7 +228,11 @@ def _help_everywhere(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cover_vllm import __version__
+
     parser = argparse.ArgumentParser(prog="cover-vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_generate_parser(sub)

@@ -11,14 +11,30 @@ from cover_vllm.entrypoints.engine_flags import (MODEL_HELP, add_engine_flags,
                                                   add_vllm_only_flags, engine_kwargs)
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def serve_model(args: argparse.Namespace) -> str:
+    """The model of `serve MODEL` or `serve --model MODEL` (vLLM takes both); ValueError when
+    neither or two different ones are given."""
+    given = {m for m in (args.model, args.model_flag) if m is not None}
+    if len(given) != 1:
+        raise ValueError("serve needs one model: `cover-vllm serve MODEL` or `--model MODEL`"
+                         + (f" (got {sorted(given)})" if given else ""))
+    return given.pop()
+
+
 def serve_args(args: argparse.Namespace):
     """The ServeArgs of a parsed `cover-vllm serve` command line."""
+    from cover_vllm.chat import load_chat_template
     from cover_vllm.entrypoints.server import ServeArgs
 
-    return ServeArgs(engine=EngineConfig.from_options(args.model, **engine_kwargs(args)),
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    return ServeArgs(engine=EngineConfig.from_options(serve_model(args), **engine_kwargs(args)),
                      host=args.host, port=args.port, api_key=args.api_key,
-                     served_model_name=args.served_model_name,
-                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address)
+                     served_model_name=args.served_model_name, log_level=args.uvicorn_log_level,
+                     data_parallel_size=args.data_parallel_size, ray_address=args.ray_address,
+                     chat_template=template)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -47,11 +63,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 def add_serve_parsers(sub, bench) -> None:
     """`serve` under the top-level subparsers `sub`, `serve` under `bench`'s subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    s.add_argument("model", help=MODEL_HELP)
+    s.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    s.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model as an option (vLLM's `serve --model`); give it or MODEL")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--served-model-name", default=None, help="id in /v1/models (default: MODEL)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template for /v1/chat/completions, a file or the template "
+                   "itself (default: the tokenizer's)")
+    s.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's log level (its access log lists each request at info)")
     add_engine_flags(s)
     s.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                    help="serve N whole engine replicas (Ray actors), least-loaded routing")

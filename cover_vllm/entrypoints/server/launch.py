@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cover_vllm.chat import load_chat_template
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server.app import MAX_BODY_BYTES, build_app
@@ -33,6 +34,7 @@ class ServeArgs:
     log_level: str = "info"
     data_parallel_size: int = 1
     ray_address: str | None = None
+    chat_template: str | None = None     # the template's text (chat.load_chat_template)
 
     @property
     def needs_ray(self) -> bool:
@@ -49,8 +51,11 @@ def make_app(args: ServeArgs):
             "ray_address is ignored: nothing uses Ray without data_parallel_size > 1 or "
             "distributed_executor_backend='ray'")
     source = args.engine if args.data_parallel_size > 1 else Engine(args.engine)
-    return build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
-                     data_parallel_size=args.data_parallel_size)
+    app = build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
+                    data_parallel_size=args.data_parallel_size)
+    if args.chat_template is not None:       # every chat request renders with it
+        app.state.ctx.chat_template = load_chat_template(args.chat_template)
+    return app
 
 
 def connect_ray(args: ServeArgs) -> bool:
