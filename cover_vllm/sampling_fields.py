@@ -46,7 +46,25 @@ REFUSED: dict[str, VllmOnly] = {
                            "decoding_params", (None, {})),
     "flat_logprobs": VllmOnly("logprobs come as vLLM's default list of {token id: Logprob} "
                               "dicts", (False,)),
+    "logprob_token_ids": VllmOnly("logprobs report the chosen token and the top k; score "
+                                  "chosen continuations with LLM.loglikelihood", (None, [], ())),
+    "prompt_logprob_token_ids": VllmOnly("prompt_logprobs report each prompt token and the "
+                                         "top k", (None, [], ())),
+    "prompt_logprob_start": VllmOnly("prompt_logprobs score every prompt token after the "
+                                     "first", (None, 0, 1)),
+    "stream_interval": VllmOnly("the server streams each block's final text as the block "
+                                "ends: a diffusion canvas has no per-token stream", (None, 1)),
+    "thinking_token_budget": VllmOnly("no reasoning parser splits a canvas into thinking and "
+                                      "answer", (None,)),
+    "repetition_detection": VllmOnly("a canvas is decoded in parallel, not extended token by "
+                                     "token, so there is no growing tail to watch; use "
+                                     "repetition_penalty", (None,)),
+    "trace_decode_token_ids": VllmOnly("forced decoding is not offered (score a fixed "
+                                       "continuation with LLM.loglikelihood)", (None, [], ())),
+    "routed_experts_prompt_start": VllmOnly("routing data is not returned", (0,)),
 }
+# vLLM's internal switches: accepted at any value and without effect here
+IGNORED = ("skip_clone", "skip_reading_prefix_cache")
 PENALTY_RANGE = (-2.0, 2.0)          # OpenAI's and vLLM's range of presence / frequency
 
 

@@ -167,6 +167,17 @@ class SamplingParams:
     allowed_token_ids: Any = None
     extra_args: Any = None
     flat_logprobs: bool = False
+    logprob_token_ids: Any = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    stream_interval: int | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    trace_decode_token_ids: Any = None
+    routed_experts_prompt_start: int = 0
+    # vLLM's internal switches (sampling_fields.IGNORED): any value, no effect
+    skip_clone: bool = False
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, allow_none=False)
@@ -192,8 +203,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be 0 or -1 (off) or >= 1, got "
+                             f"{self.top_k}")
+        if self.top_k == 0:                      # vLLM's default spelling of "off"
+            self.top_k = -1
         self.stop = _check_str_list("stop", self.stop)
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple)) or not all(

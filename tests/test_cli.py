@@ -138,7 +138,7 @@ def test_generate_prints_n_outputs_and_their_logprobs(capsys):
 @pytest.mark.parametrize("flags,words", [
     (["--n", "100000"], "n (outputs per prompt) must be an integer from 1 to 64"),
     (["--n", "0"], "from 1 to 64"), (["--logprobs", "21"], "logprobs"),
-    (["--top-p", "0"], "top_p"), (["--top-k", "0"], "top_k"),
+    (["--top-p", "0"], "top_p"), (["--top-k", "-2"], "top_k"),
     (["--structured-outputs", '{"regex": "a", "choice": ["b"]}'], "exactly one of")])
 def test_generate_refuses_bad_sampling_flags_naming_the_field(flags, words, capsys):
     assert main(["generate", "cover-tiny", "--prompt", "hi", *flags]) == 2

@@ -13,21 +13,25 @@ from cover_vllm import SamplingParams, StructuredOutputsParams
 from cover_vllm.engine.logits_processors import process_logits
 
 # vLLM's SamplingParams fields at vLLM's defaults (max_tokens and temperature keep this engine's
-# own defaults; vLLM's 16 and 1.0 are valid values here too)
+# own defaults; vLLM's 16 and 1.0 are valid values here too; top_k 0 is vLLM's "off", as -1)
 VLLM_DEFAULTS = dict(
     n=1, best_of=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-    temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, stop=None, stop_token_ids=None,
+    temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=None, stop_token_ids=None,
     bad_words=None, ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None,
     prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
     spaces_between_special_tokens=True, logits_processors=None,
     include_stop_str_in_output=False, truncate_prompt_tokens=None, output_kind=None,
     guided_decoding=None, structured_outputs=None, logit_bias=None, allowed_token_ids=None,
-    extra_args=None, flat_logprobs=False)
+    extra_args=None, flat_logprobs=False, logprob_token_ids=None, prompt_logprob_token_ids=None,
+    prompt_logprob_start=None, stream_interval=None, thinking_token_budget=None,
+    repetition_detection=None, trace_decode_token_ids=None, routed_experts_prompt_start=0,
+    skip_clone=False, skip_reading_prefix_cache=None)
 
 
 def test_every_vllm_field_constructs_at_its_default():
     params = SamplingParams(**VLLM_DEFAULTS)
     assert params.stop == [] and params.stop_token_ids == []
+    assert params.top_k == -1                       # 0 means off, as in vLLM
     assert SamplingParams(output_kind="final_only").output_kind == "final_only"
 
 
@@ -35,7 +39,10 @@ def test_every_vllm_field_constructs_at_its_default():
     ("best_of", 2), ("bad_words", ["x"]),
     ("spaces_between_special_tokens", False), ("logits_processors", [lambda ids, x: x]),
     ("truncate_prompt_tokens", 8), ("output_kind", "delta"), ("logit_bias", {5: 1.0}),
-    ("allowed_token_ids", [5, 6]), ("extra_args", {"k": 1}), ("flat_logprobs", True)])
+    ("allowed_token_ids", [5, 6]), ("extra_args", {"k": 1}), ("flat_logprobs", True),
+    ("logprob_token_ids", [5]), ("prompt_logprob_token_ids", [5]), ("prompt_logprob_start", 3),
+    ("stream_interval", 4), ("thinking_token_budget", 64), ("repetition_detection", {"x": 1}),
+    ("trace_decode_token_ids", [5]), ("routed_experts_prompt_start", 2)])
 def test_a_refused_field_names_itself_and_the_reason(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.*is not supported: \w+"):
         SamplingParams(**{field: value})
