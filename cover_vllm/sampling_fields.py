@@ -63,8 +63,6 @@ REFUSED: dict[str, VllmOnly] = {
                                        "continuation with LLM.loglikelihood)", (None, [], ())),
     "routed_experts_prompt_start": VllmOnly("routing data is not returned", (0,)),
 }
-# vLLM's internal switches: accepted at any value and without effect here
-IGNORED = ("skip_clone", "skip_reading_prefix_cache")
 PENALTY_RANGE = (-2.0, 2.0)          # OpenAI's and vLLM's range of presence / frequency
 
 

@@ -175,7 +175,7 @@ class SamplingParams:
     repetition_detection: Any = None
     trace_decode_token_ids: Any = None
     routed_experts_prompt_start: int = 0
-    # vLLM's internal switches (sampling_fields.IGNORED): any value, no effect
+    # vLLM's internal switches: any value, no effect here
     skip_clone: bool = False
     skip_reading_prefix_cache: bool | None = None
 
