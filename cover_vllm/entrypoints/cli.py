@@ -94,7 +94,8 @@ def _bench_spec(args: argparse.Namespace):
                           decoding_params=tuple(params.items()),
                           repeats=getattr(args, "timed_runs", 1),
                           quantization=args.quantization, device=args.device,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          count_ops=getattr(args, "count_ops", False))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -284,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,
                    help="timed runs of every row, round-robin; a row reports the median run "
                    "(use 3+ when comparing rows on a noisy machine)")
+    t.add_argument("--count-ops", action="store_true",
+                   help="one extra, untimed run per row counting the aten ops of every step: "
+                   "device ops (CUDA: kernel launches and views), host ops, ops in the forward")
     t.add_argument("--markdown", default=None, help="write a markdown report here")
     t.add_argument("--plot", default=None, help="PNG: accuracy vs tokens/s, NFE/token bars")
     t.set_defaults(func=cmd_bench_throughput)
