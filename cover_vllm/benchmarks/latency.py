@@ -35,7 +35,8 @@ def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
                num_threads=threads, dtype=spec.dtypes[0], quantization=spec.quantization,
-               device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes), threads
+               device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+               enforce_eager=spec.enforce_eager), threads
 
 
 def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:

@@ -54,6 +54,7 @@ class ScaleSpec:
     seed: int = 0
     logits_path: str | None = None
     denoising_steps: int = 2               # uniform-state models: decoder steps per canvas
+    enforce_eager: bool = False            # vLLM's knob (EngineConfig.enforce_eager)
 
 
 def _capture_first_logits(llm: LLM, path: str) -> None:
@@ -130,7 +131,8 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
               quantization=spec.quantization,
               tensor_parallel_size=spec.tensor_parallel_size, load_format=load_format,
               kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-              memory_utilization=spec.memory_utilization, num_threads=spec.threads)
+              memory_utilization=spec.memory_utilization, num_threads=spec.threads,
+              enforce_eager=spec.enforce_eager)
     load_s = time.perf_counter() - start
     plan = llm.engine.memory
     report = {"spec": dataclasses.asdict(spec),

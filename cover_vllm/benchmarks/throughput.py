@@ -68,6 +68,7 @@ class ThroughputSpec:
     device: str = "cpu"                # EngineConfig.device ("meta": host work alone)
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
+    enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
 
 
 @dataclass
@@ -280,7 +281,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
                       num_threads=threads, dtype=name, quantization=spec.quantization,
-                      device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
+                      device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+                      enforce_eager=spec.enforce_eager)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             if name not in report["reference"] and spec.reference_prompts and \
                     spec.device != "meta":             # a shapes-only model yields no tokens
