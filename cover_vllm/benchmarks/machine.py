@@ -9,6 +9,7 @@ naming both numbers, and never clamps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -34,6 +35,12 @@ def probe_device(device: str | torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
+def _on(device: torch.device):
+    """CUDA: `device` made current, so the probe's events and kernels share its stream; else a
+    no-op."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def gemm_size(device: str | torch.device = "cpu") -> int:
     """The side of the square GEMM the peak probe times on `device`."""
     return CUDA_GEMM_SIZE if probe_device(device).type == "cuda" else PEAK_GEMM_SIZE
@@ -46,9 +53,10 @@ def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int | None =
     the best of repeated timings over about `seconds`."""
     device = probe_device(device)
     size = size or gemm_size(device)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    return 2 * size ** 3 / _best_seconds(lambda: a @ b, seconds, device) / 1e9
+    with _on(device):
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        return 2 * size ** 3 / _best_seconds(lambda: a @ b, seconds, device) / 1e9
 
 
 def measure_int8_gops(size: int | None = None, seconds: float = 0.5,
@@ -60,10 +68,11 @@ def measure_int8_gops(size: int | None = None, seconds: float = 0.5,
     device = probe_device(device)
     size = size or gemm_size(device)
     if device.type == "cuda":
-        a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
-        b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
-        return 2 * size ** 3 / _best_seconds(lambda: torch._int_mm(a, b), seconds,
-                                             device) / 1e9
+        with _on(device):
+            a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
+            b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
+            return 2 * size ** 3 / _best_seconds(lambda: torch._int_mm(a, b), seconds,
+                                                 device) / 1e9
     from cover_vllm.models.w8a8_kernels import OnednnKernel, onednn_problem
 
     if onednn_problem() is not None:
@@ -113,9 +122,10 @@ def measure_read_gbps(nbytes: int | None = None, seconds: float = 0.5,
     device = probe_device(device)
     if device.type == "cuda":
         nbytes = nbytes or CUDA_COPY_BYTES
-        src = torch.ones(nbytes // 4, device=device)
-        dst = torch.empty_like(src)
-        return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), seconds, device) / 1e9
+        with _on(device):
+            src = torch.ones(nbytes // 4, device=device)
+            dst = torch.empty_like(src)
+            return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), seconds, device) / 1e9
     nbytes = nbytes or STREAM_BYTES
     x = torch.ones(nbytes // 4)
     return nbytes / _best_seconds(x.sum, seconds) / 1e9
