@@ -110,6 +110,7 @@ def test_ops_per_step_of_a_cpu_engine(tiny):
     counts = count_row_ops(tiny, [{"prompt_token_ids": [5, 6, 7]}] * 2, params)
     assert counts["counted_steps"] >= 8 // 2       # at most 2 tokens a step of 2 requests
     assert counts["device_ops_per_step"] is None   # no device apart from the host
+    assert counts["launches_per_step"] is None
     assert 0 < counts["forward_ops_per_step"] < counts["host_ops_per_step"]
     assert "execute_model" not in vars(tiny.engine.executor)   # the wrapper is gone
 
@@ -132,6 +133,7 @@ def test_count_ops_rows_on_cpu_and_meta(tmp_path, capsys):
     assert 0 < cpu["mfu"] <= 1.0
     # on meta the forward's ops are the device's: a dozen or more per layer
     assert meta["device_ops_per_step"] >= 10 * 4 and meta["forward_ops_per_step"] > 0
+    assert 0 < meta["launches_per_step"] < meta["device_ops_per_step"]     # views: no kernel
     out = capsys.readouterr().out
     assert "device_ops_per_step" in out and "ops/step: - device" in out
     assert "device_ms_per_step" not in out                      # absent everywhere: hidden

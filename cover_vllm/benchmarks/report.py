@@ -18,11 +18,11 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}"),
            ("canvas_steps", "{:.1f}"), ("accepted_per_step", "{:.2f}"),
            ("encoder_flop_share", "{:.1%}"), ("device_ms_per_step", "{:.2f}"),
-           ("device_ops_per_step", "{:.0f}"), ("host_ops_per_step", "{:.0f}"),
-           ("forward_ops_per_step", "{:.0f}")]
+           ("device_ops_per_step", "{:.0f}"), ("launches_per_step", "{:.0f}"),
+           ("host_ops_per_step", "{:.0f}"), ("forward_ops_per_step", "{:.0f}")]
 # shown only when some row has them: CUDA's device time, --count-ops' counts
-OPTIONAL = {"device_ms_per_step", "device_ops_per_step", "host_ops_per_step",
-            "forward_ops_per_step"}
+OPTIONAL = {"device_ms_per_step", "device_ops_per_step", "launches_per_step",
+            "host_ops_per_step", "forward_ops_per_step"}
 
 
 def rates_text(row) -> str:
@@ -37,7 +37,8 @@ def device_text(row) -> str:
     text = "" if row.device_ms_per_step is None else \
         f", device {row.device_ms_per_step:.1f} ms/step"
     if row.host_ops_per_step is not None:
-        device = "-" if row.device_ops_per_step is None else f"{row.device_ops_per_step:.0f}"
+        device = ("-" if row.device_ops_per_step is None else
+                  f"{row.device_ops_per_step:.0f} ({row.launches_per_step:.0f} launches)")
         text += (f", ops/step: {device} device, {row.host_ops_per_step:.0f} host, "
                  f"{row.forward_ops_per_step:.0f} in the forward")
     return text

@@ -5,7 +5,8 @@ under `OpCounter` (benchmarks/op_count.py), with a second counter around the exe
 
 * `device_ops_per_step`: aten ops with an output on a device other than the host, the whole step
   (views included): on CUDA, the step's kernel launches plus its views' dispatches. None for a
-  CPU engine, which has no device apart from the host.
+  CPU engine, which has no device apart from the host. `launches_per_step`: those that are not
+  views, about one kernel launch each (an op may launch none or several: this counts ops).
 * `host_ops_per_step`: ops whose outputs all live on the host (on a CPU engine: every op).
 * `forward_ops_per_step`: ops dispatched inside the executor call (batch layout and the model
   forward), whatever their device: on CUDA the forward's launches, on the CPU its per-op cost.
@@ -50,13 +51,15 @@ def count_row_ops(llm, prompts: list, params) -> dict:
             with OpCounter() as ops:
                 engine.step()
             if len(counted.calls) > calls:                    # the step ran the model
-                steps.append((ops.num_device, ops.num_host, counted.calls[-1]))
+                steps.append((ops.num_device, ops.num_device - ops.views, ops.num_host,
+                              counted.calls[-1]))
     finally:
         if own is None:
             del executor.execute_model                        # the class's method again
         else:
             executor.execute_model = own
     cpu = engine.device.type == "cpu"
-    mean = [statistics.mean(s[k] for s in steps) if steps else None for k in range(3)]
-    return {"device_ops_per_step": None if cpu else mean[0], "host_ops_per_step": mean[1],
-            "forward_ops_per_step": mean[2], "counted_steps": len(steps)}
+    mean = [statistics.mean(s[k] for s in steps) if steps else None for k in range(4)]
+    return {"device_ops_per_step": None if cpu else mean[0],
+            "launches_per_step": None if cpu else mean[1], "host_ops_per_step": mean[2],
+            "forward_ops_per_step": mean[3], "counted_steps": len(steps)}

@@ -117,9 +117,13 @@ class ThroughputRow:
     encoder_flop_share: float | None = None  # encoder FLOPs / all model FLOPs
     device_ms_per_step: float | None = None  # CUDA: the forward's span on the device (CUDA
                                              # events, mean); None on any other device
-    device_ops_per_step: float | None = None   # --count-ops (benchmarks/step_ops.py): ops
-    host_ops_per_step: float | None = None     # on the device (CUDA: launches and views),
-    forward_ops_per_step: float | None = None  # on the host, inside the executor call
+    # --count-ops (benchmarks/step_ops.py), per step: ops with an output on the device (CUDA:
+    # launches and views; None on the CPU), of which not views, ops on the host, ops inside
+    # the executor call
+    device_ops_per_step: float | None = None
+    launches_per_step: float | None = None
+    host_ops_per_step: float | None = None
+    forward_ops_per_step: float | None = None
 
 
 def default_decodings(model: str) -> tuple[str, ...]:
