@@ -252,14 +252,16 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
-        clock = StepClock()
+        clock = StepClock(self.device if self._observers else None)   # CUDA: event pair
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
             return []
         clock.lap("schedule")
         self._notify("on_schedule", out)
+        clock.start_device()
         result = self.executor.execute_model(out)
+        clock.stop_device()
         if self._observers and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
         clock.lap("forward")
@@ -277,7 +279,8 @@ class Engine:
             self._notify("on_step", StepRecord.of(
                 clock.laps, result.prepare_s, out,
                 host_copies=result.host_copies + self.transfer.copies - copies,
-                host_bytes=result.host_bytes + self.transfer.bytes - moved))
+                host_bytes=result.host_bytes + self.transfer.bytes - moved,
+                device_forward=clock.device_s()))
         return outputs
 
     def schedule(self) -> SchedulerOutput:
