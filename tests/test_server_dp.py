@@ -1,8 +1,9 @@
 """`cover-vllm serve` with parallelism: --data-parallel-size 2 (two engine replicas as Ray actors
 behind the DPRouter) and --tensor-parallel-size 2 (mp workers), through the real command-line
 parser and the official `openai` client: both replicas serve, every output equals offline
-LLM.generate at temperature 0, and a dead replica / TP worker turns into request errors and an
-unhealthy /health, never a hang."""
+LLM.generate at temperature 0; a dead replica turns into errors for its requests and is
+restarted while the other serves, a dead TP worker into request errors and a server that shuts
+itself down, never a hang."""
 
 from __future__ import annotations
 
@@ -165,13 +166,17 @@ def test_tp2_mp_server_smoke(model, offline):
         (pid,) = srv.engine_loop.engine.executor.ranks.pids
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(openai.InternalServerError, match="died"):
+        with pytest.raises(openai.InternalServerError, match="died") as failed:
             _complete(client, PROMPTS[3])
         assert time.monotonic() - start < 15
-        health = httpx.get(srv.url + "/health")
-        assert health.status_code == 503 and "died" in health.json()["error"]
-        with pytest.raises(openai.InternalServerError, match="engine is dead"):
-            _complete(client, PROMPTS[4])                 # refused at once from now on
+        assert "create a new LLM" not in str(failed.value)      # advice for offline users
+        deadline = time.monotonic() + 30
+        while srv.running:                       # one engine cannot heal: the server shuts down
+            assert time.monotonic() < deadline, "the server did not shut down"
+            time.sleep(0.02)
+        assert "engine is dead" in srv.fatal_error and "died" in srv.fatal_error
+        with pytest.raises(httpx.TransportError):
+            httpx.get(srv.url + "/health")
     finally:
         srv.stop()
 

@@ -3,6 +3,8 @@
 Counters are bumped by the engine thread when a request finishes, fails or is aborted; gauges
 (running / waiting requests, KV pages) are snapshots it publishes after every step and command.
 NFE per token is derived at scrape time from the two counters, so it is the all-time ratio.
+The server process's own series (`process_resident_memory_bytes`, CPU seconds, open fds) come
+from prometheus_client's ProcessCollector (Linux).
 A data-parallel server adds per-replica series read from its router at scrape time:
 `cover_vllm_replica_requests_total{replica="i"}` (requests replica i finished) and
 `cover_vllm_replica_alive{replica="i"}`.
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cover_vllm.outputs import RequestOutput
@@ -97,6 +100,7 @@ class ServerMetrics:
         self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         r.register(_RatioCollector(self))
+        ProcessCollector(registry=r)      # process_resident_memory_bytes, ... (Linux /proc)
 
     def watch_replicas(self, counts: Callable[[], list[dict[str, Any]]]) -> None:
         """Expose per-replica series from `counts` (DPRouter.replica_counts) at scrape time."""
