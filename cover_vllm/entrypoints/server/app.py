@@ -123,10 +123,17 @@ async def chat_completions(request: Request):
 
 
 async def health(request: Request) -> Response:
-    problem = _ctx(request).loop.health()
-    if problem is None:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+    """200 while requests can be served, else 503 with why. A data-parallel server stays 200
+    while one replica serves; the body then names the replicas that are down (degraded)."""
+    loop = _ctx(request).loop
+    problem = loop.health()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+    counts = loop.replica_counts() if hasattr(loop, "replica_counts") else []
+    down = [c["index"] for c in counts if not c["alive"]]
+    if down:
+        return JSONResponse({"status": "degraded", "replicas_down": down})
+    return JSONResponse({"status": "ok"})
 
 
 async def metrics(request: Request) -> Response:
