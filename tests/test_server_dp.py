@@ -135,8 +135,9 @@ def _metric(srv, series: str) -> float | None:
 @pytest.mark.ray
 def test_dp_killed_replica_heals_while_the_other_serves(dp_server, offline, ray_session):
     """Runs last on the module's server: it kills replica 1 under load. Its request fails, or
-    moves to replica 0 when nothing of it was delivered; /health stays 200 throughout; requests sent 5 s or more after the
-    kill all succeed; replica 1 is restarted within 120 s and serves again."""
+    moves to replica 0 when nothing of it was delivered; /health stays 200 throughout; requests
+    sent 5 s or more after the kill all succeed; replica 1 is restarted within 120 s and serves
+    again."""
     router = dp_server.engine_loop
     pid = router.infos[1]["pid"]
     client = _client(dp_server)
@@ -170,7 +171,8 @@ def test_dp_killed_replica_heals_while_the_other_serves(dp_server, offline, ray_
         if time.monotonic() - killed >= 5:
             later.append((prompt, _complete(client, prompt)))
         time.sleep(0.05)
-    assert all(h.status_code == 200 for h in health), [h.text for h in health if h.status_code != 200]
+    assert all(h.status_code == 200 for h in health), [h.text for h in health
+                                                       if h.status_code != 200]
     assert any(h.json() == {"status": "degraded", "replicas_down": [1]} for h in health)
     assert all(text == offline[prompt] for prompt, text in later)
     assert httpx.get(dp_server.url + "/health").json() == {"status": "ok"}

@@ -7,7 +7,8 @@ Every refused request gets a 4xx with an OpenAI error body; nothing a client sen
 server. What does stop it is an engine that can never serve again (EngineClient.fatal: a dead
 tensor-parallel worker, or every data-parallel replica dead for good): a watchdog task logs why,
 records it in `app.state.fatal_error` and calls `app.state.on_fatal` (the launcher's: uvicorn
-shuts down and `cover-vllm serve` exits non-zero, so a supervisor restarts it). Request semantics live in serving.py, field rules in protocol.py.
+shuts down and `cover-vllm serve` exits non-zero, so a supervisor restarts it). Request
+semantics live in serving.py, field rules in protocol.py.
 """
 
 from __future__ import annotations
