@@ -44,16 +44,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
-    from cover_vllm.benchmarks.serve import ServeBenchSpec, format_table, run_serve_bench
+    from cover_vllm.benchmarks.serve import (ServeBenchSpec, format_samples, format_table,
+                                             run_serve_bench)
 
     extra = {k: v for k, v in (("decoding", args.decoding), ("block_length", args.block_length),
                                ("decoding_params", args.decoding_params)) if v is not None}
-    spec = ServeBenchSpec(url=args.url, concurrency=args.concurrency, duration_s=args.duration,
+    duration = args.duration if args.duration is not None or args.num_requests else 30.0
+    spec = ServeBenchSpec(url=args.url, concurrency=args.concurrency, duration_s=duration,
+                          num_requests=args.num_requests, sample_every=args.sample_every,
                           max_tokens=args.max_tokens, model=args.model, api_key=args.api_key,
                           prompts=tuple(args.prompt) if args.prompt else ServeBenchSpec.prompts,
                           extra_body=tuple(extra.items()))
     results = run_serve_bench(spec)
     print(format_table(results))
+    print(format_samples(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"spec": vars(args) | {"func": None},
@@ -88,7 +92,14 @@ def add_serve_parsers(sub, bench) -> None:
     v.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     v.add_argument("--concurrency", type=positive_ints, default=(1, 8, 64),
                    help="client levels, comma-separated")
-    v.add_argument("--duration", type=float, default=30.0, help="seconds per concurrency level")
+    v.add_argument("--duration", type=float, default=None,
+                   help="seconds per concurrency level (default 30, or none with --num-requests)")
+    v.add_argument("--num-requests", type=positive_int, default=None,
+                   help="requests per concurrency level (a soak: a level ends at this count or "
+                        "--duration, whichever comes first)")
+    v.add_argument("--sample-every", type=positive_int, default=None,
+                   help="read the server's RSS and KV pages from /metrics every N requests "
+                        "(always at a level's start and end)")
     v.add_argument("--max-tokens", type=positive_int, default=64, help="per request")
     v.add_argument("--model", default=None, help="default: the server's first model")
     v.add_argument("--prompt", action="append", default=None, help="repeat for several prompts")
