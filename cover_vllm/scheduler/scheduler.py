@@ -20,10 +20,12 @@ import torch
 from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.canvas_queue import CanvasQueue
 from cover_vllm.scheduler.canvas_request import CanvasRequest
+from cover_vllm.scheduler.canvas_table import CanvasTable
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
-from cover_vllm.scheduler.request import PageSet, Request, RequestStatus, abort_from
+from cover_vllm.scheduler.request import (PageSet, Request, RequestStatus, abort_from,
+                                          block_masked_counts)
 from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
@@ -35,6 +37,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.table = CanvasTable(config.max_num_seqs)   # the running requests' canvases
         # likelihood scoring: admitted after the generation requests, packed beside them
         self.scoring = ScoreQueue(config, pool, prefix_caching)
         # uniform-state canvases (DiffusionGemma's requests; scheduler/canvas_queue.py)
@@ -53,21 +56,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def _admit(self) -> None:
-        page = self.config.page_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        admitted, copies = [], []                         # copies: (pages, canvas length)
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             req = self.waiting[0]
             pages = self._take_pages(req)
             if pages is None:
-                return                                    # FCFS: wait for pages to free up
+                break                                     # FCFS: wait for pages to free up
             self.waiting.popleft()
+            admitted.append(req)
             per = len(pages) // req.num_canvases
-            pos = torch.arange(req.canvas_len)
-            for c in range(req.num_canvases):
-                table = torch.tensor(pages[c * per:(c + 1) * per], dtype=torch.long)
-                req.pages.append(PageSet(pages[c * per:(c + 1) * per],
-                                         table[pos // page] * page + pos % page))
+            copies += [(pages[c * per:(c + 1) * per], req.canvas_len)
+                       for c in range(req.num_canvases)]
+        tables = iter(zip(copies, page_slots(copies, self.config.page_size)))
+        for req, masked in zip(admitted, block_masked_counts(admitted)):
+            for _ in range(req.num_canvases):
+                (pages, _), slots = next(tables)
+                req.pages.append(PageSet(pages, slots))
             req.status = RequestStatus.RUNNING
-            req.begin_block()
+            self.table.attach(req)
+            req.begin_block(masked)
             self.running.append(req)
 
     def _take_pages(self, req: Request) -> list[int] | None:
@@ -116,6 +123,7 @@ class Scheduler:
         for pageset in req.pages:
             self.pool.free(pageset.pages)
         req.pages = []
+        self.table.detach(req)
 
     # ---- one step --------------------------------------------------------------------------
     def admit(self) -> list[Request]:
@@ -233,3 +241,26 @@ class Scheduler:
                         want_mass=req.kv_cache != "none" and req.refresh.policy.wants_mass,
                         extra=plan.extra, embed_edit=plan.embed_edit,
                         window_positions=positions)
+
+
+def page_slots(copies: list[tuple[list[int], int]], page: int) -> list[torch.Tensor]:
+    """The cache slot of every canvas position ([L] each) of canvas copies given as (their
+    pages, canvas length L): position p lives at pages[p // page] * page + p % page. One set
+    of tensor ops for every copy admitted in a step."""
+    if not copies:
+        return []
+    lengths = [length for _, length in copies]
+    first_page, acc = [], 0
+    for pages, _ in copies:
+        first_page.append(acc)
+        acc += len(pages)
+    starts, acc = [], 0
+    for length in lengths:
+        starts.append(acc)
+        acc += length
+    ints = torch.tensor(list(zip(starts, first_page, lengths)), dtype=torch.long)
+    start, first, length = ints.t()
+    pos = torch.arange(acc) - torch.repeat_interleave(start, length, output_size=acc)
+    index = pos // page + torch.repeat_interleave(first, length, output_size=acc)
+    table = torch.tensor([p for pages, _ in copies for p in pages], dtype=torch.long)
+    return list((table[index] * page + pos % page).split(lengths))
