@@ -226,9 +226,12 @@ def _rows(d: Decision, widths: list[int]) -> list[RowDecision]:
     def ints(t: torch.Tensor | None, default) -> list:
         return [default] * len(widths) if t is None else t.tolist()
 
+    remasks = split(d.remask)               # None for a row that remasks nothing
+    if d.remask is not None:
+        remasks = [r if any_ else None for r, any_ in zip(remasks, d.remask.any(1).tolist())]
     return [RowDecision(commit=c, tokens=t, remask=rm, replace=rp, keeps=int(k),
                         verified=int(v), stop=bool(st))
-            for c, t, rm, rp, k, v, st in zip(split(d.commit), split(d.tokens), split(d.remask),
+            for c, t, rm, rp, k, v, st in zip(split(d.commit), split(d.tokens), remasks,
                                               split(d.replace), ints(d.keeps, 0),
                                               ints(d.verified, 0), ints(d.stop, False))]
 

@@ -22,16 +22,33 @@ class CanvasTable:
         self._free = list(range(max_rows - 1, -1, -1))              # pop() -> lowest slot
         self._owners: dict[int, object] = {}                        # slot -> Request
 
-    def attach(self, req) -> None:
-        """Give `req` a slot: its canvas is copied in and becomes a view of the row."""
-        length = req.canvas_len
-        if length > self.tokens.shape[1]:
-            self._grow(max(length, 2 * self.tokens.shape[1]))
-        slot = self._free.pop()
-        row = self.tokens[slot, :length]
-        row.copy_(req.canvas)
-        req.canvas, req.slot = row, slot
-        self._owners[slot] = req
+    def attach(self, reqs: list) -> None:
+        """Give each of `reqs` a slot: their canvases are copied in (one write for all) and
+        each becomes a view of its row."""
+        if not reqs:
+            return
+        longest = max(req.canvas_len for req in reqs)
+        if longest > self.tokens.shape[1]:
+            self._grow(max(longest, 2 * self.tokens.shape[1]))
+        width, cols = self.tokens.shape[1], []
+        for req in reqs:
+            req.slot = self._free.pop()
+            cols.append(req.slot * width)
+        starts = torch.tensor(cols, dtype=torch.long)
+        lengths = torch.tensor([req.canvas_len for req in reqs], dtype=torch.long)
+        total = sum(req.canvas_len for req in reqs)
+        first = torch.cumsum(lengths, 0) - lengths
+        flat = torch.repeat_interleave(starts - first, lengths, output_size=total) + \
+            torch.arange(total)
+        self.tokens.view(-1).index_copy_(0, flat, torch.cat([req.canvas for req in reqs]))
+        for req in reqs:
+            req.canvas = self._row(req)
+            self._owners[req.slot] = req
+
+    def _row(self, req) -> torch.Tensor:
+        """[L] view of `req`'s row (one op)."""
+        return self.tokens.as_strided((req.canvas_len,), (1,),
+                                      req.slot * self.tokens.shape[1])
 
     def detach(self, req) -> None:
         """Free `req`'s slot; it keeps a private copy of its canvas."""
@@ -47,8 +64,8 @@ class CanvasTable:
         grown = torch.zeros(self.tokens.shape[0], width, dtype=torch.long)
         grown[:, :self.tokens.shape[1]] = self.tokens
         self.tokens = grown
-        for slot, req in self._owners.items():
-            req.canvas = grown[slot, :req.canvas_len]
+        for req in self._owners.values():
+            req.canvas = self._row(req)
 
 
 class DecisionWrites:
