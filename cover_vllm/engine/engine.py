@@ -315,10 +315,9 @@ class Engine:
             req.apply_step(item, rows[i], writes and writes.counts[i])  # remasks, counters
         if writes is not None:
             writes.write()                      # every commit and replacement: one write
-        events = []
-        for req, masked in zip(reqs, block_masked_counts(reqs)):   # one count for the batch
-            events.append((req, req.end_step(decisions[req.request_id], self.outputs.check_stop,
-                                             masked)))
+        events = [(req, req.end_step(row, self.outputs.check_stop, masked))
+                  for req, row, masked in zip(reqs, rows, block_masked_counts(reqs))]
+        for req in reqs:
             self.scheduler.index_prefix(req)
         return self._report(events)
 
