@@ -8,7 +8,9 @@ There is no global draft or verify phase: every running request has a next item.
 kv_cache="none", and whenever the request's `cache_refresh` policy asks (cache_refresh.py); other
 steps forward only the window the cache mode needs (Fast-dLLM):
 `prefix` = current block + suffix, `dual` = current block. Admission reserves pages for the whole
-canvas, so a running request never needs more and is never preempted.
+canvas, so a running request never needs more and is never preempted. An admitted request's
+canvas moves into its row of the persistent batch (scheduler/canvas_table.py) until it ends, and
+a step's window inputs are read from there for every item at once.
 """
 
 from __future__ import annotations
