@@ -35,9 +35,10 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.canvas_request import CanvasRequest
+from cover_vllm.scheduler.canvas_table import DecisionWrites
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.output import SchedulerOutput
-from cover_vllm.scheduler.request import Request
+from cover_vllm.scheduler.request import Request, block_masked_counts
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scheduler.score_request import scoring_request
@@ -307,11 +308,19 @@ class Engine:
         """Each request applies its decision; a request whose block became FINAL yields an
         output (finished, or a partial one whose text can never change: streaming sends only
         FINAL text)."""
-        events = []
-        for item in out.items:
-            req = self._requests[item.request_id]
-            events.append((req, req.finish_step(item, decisions[item.request_id],
-                                                self.outputs.check_stop)))
+        reqs = [self._requests[item.request_id] for item in out.items]
+        rows = [decisions[req.request_id] for req in reqs]
+        writes = None                           # rows outside the table write themselves
+        if reqs and all(req.slot is not None for req in reqs):
+            writes = DecisionWrites(self.scheduler.table, reqs,
+                                    [it.view_start for it in out.items], rows)
+        for i, (req, item) in enumerate(zip(reqs, out.items)):
+            req.apply_step(item, rows[i], writes and writes.counts[i])  # remasks, counters
+        if writes is not None:
+            writes.write()                      # every commit and replacement: one write
+        events = [(req, req.end_step(row, self.outputs.check_stop, masked))
+                  for req, row, masked in zip(reqs, rows, block_masked_counts(reqs))]
+        for req in reqs:
             self.scheduler.index_prefix(req)
         return self._report(events)
 
