@@ -262,9 +262,7 @@ class Engine:
         self._notify("on_schedule", out)
         clock.start_device()
         result = self.executor.execute_model(out)
-        clock.stop_device()
-        if self._observers and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
+        clock.stop_device()                   # observed on CUDA: waits for the forward
         clock.lap("forward")
         self._account(out, result)
         decisions = self.stage.decide(out, self._requests, result, self._observers,
@@ -325,8 +323,7 @@ class Engine:
         return self._report(events)
 
     def _apply_canvases(self, out: SchedulerOutput, decisions: dict) -> list[RequestOutput]:
-        """Each denoised canvas request applies its decision; one whose canvas stopped yields
-        an output (finished, or partial: a canvas became FINAL)."""
+        """Each canvas request applies its decision; a stopped canvas yields an output."""
         events = []
         for item in out.canvas_items:
             if item.request_id in decisions:            # else it only encoded this step
@@ -384,8 +381,7 @@ class Engine:
             self.add_observer(self._times)
 
     def peak_memory_bytes(self) -> list[int]:
-        """Peak resident memory (VmHWM) per tensor-parallel rank, the driver (this process)
-        first."""
+        """Peak resident memory (VmHWM) per tensor-parallel rank, the driver's first."""
         return self.executor.peak_memory_bytes()
 
     @property

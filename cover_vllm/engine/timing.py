@@ -32,8 +32,11 @@ class StepClock:
         self._events[0].record(torch.cuda.current_stream(self._cuda))
 
     def stop_device(self) -> None:
+        """Record the end event and wait for the device, so that the host lap that follows
+        measures the forward's run time (only while observed on CUDA)."""
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self._cuda))
+            self._events[1].synchronize()
 
     def device_s(self) -> float | None:
         """Seconds between the two events on the device's timeline (waits for the end event):
