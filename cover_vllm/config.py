@@ -34,9 +34,10 @@ class EngineConfig:
 
     vLLM's common arguments are fields under vLLM's names and meanings: `max_model_len`,
     `gpu_memory_utilization` (one fraction with `memory_utilization`: see `memory_fraction`),
-    `trust_remote_code` and `enforce_eager` (accepted; they change nothing here, as their help
-    says), `tokenizer`, `revision`, `tokenizer_revision`, `download_dir`, `seed`. vLLM's
-    arguments with no meaning here are refused by name with the reason (vllm_args.py).
+    `trust_remote_code` (accepted; it changes nothing here, as its help says), `enforce_eager`
+    (vLLM's knob; today the model runs eagerly on every device, so it changes nothing yet),
+    `tokenizer`, `revision`, `tokenizer_revision`, `download_dir`, `seed`. vLLM's arguments
+    with no meaning here are refused by name with the reason (vllm_args.py).
     """
 
     model: str
@@ -101,8 +102,9 @@ class EngineConfig:
         "itself and never runs code shipped with a checkpoint, so True and False load the "
         "same", kind="bool")
     enforce_eager: bool = option(
-        False, "accepted for vLLM compatibility: the model always runs eagerly (no CUDA graphs, "
-        "no torch.compile), so this changes nothing", kind="bool")
+        False, "vLLM's knob, ignored off CUDA: on CUDA, False (default) means CUDA graphs once "
+        "the engine captures them (issue #42); today the model runs eagerly on every device "
+        "(no CUDA graphs, no torch.compile), so True and False run the same", kind="bool")
     tokenizer: str | None = option(
         None, "tokenizer from another local directory or Hugging Face repo id (default: the "
         "model's own files)")

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
-from cover_vllm.outputs import RequestOutput
+from cover_vllm.outputs import Logprob, RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 
@@ -85,7 +85,9 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. Every request
-        is validated before any is queued, so one bad prompt raises and queues nothing.
+        is validated before any is queued, so one bad prompt raises and queues nothing. With
+        SamplingParams.prompt_logprobs = k the prompts are scored after generating, one exact
+        forward per prompt token (RequestOutput.prompt_logprobs).
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -100,7 +102,48 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._add_and_run(prompts, params, use_tqdm, "Generating")
+        scored = [p.prompt_logprobs is not None for p in params]
+        if any(scored) and self.engine.spec.uniform_state:
+            raise ValueError(f"SamplingParams.prompt_logprobs: {self.engine.spec.family} has no "
+                             "[MASK] token, so a prompt token has no masked-model likelihood")
+        outputs = self._add_and_run(prompts, params, use_tqdm, "Generating")
+        wanted = [(o, p.prompt_logprobs) for o, p, s in zip(outputs, params, scored) if s]
+        if wanted:
+            self._add_prompt_logprobs(wanted, use_tqdm)
+        return outputs
+
+    def _add_prompt_logprobs(self, wanted: list[tuple[RequestOutput, int]],
+                             use_tqdm: bool) -> None:
+        """vLLM's prompt_logprobs on each (output, k): token i's log p(x_i | x_<i), exact, from
+        one forward of x_<i followed by [MASK] (the likelihood estimator with a one-token
+        continuation, as the server's echo + logprobs), with the k most likely tokens there;
+        the first token has none. Every prompt's tokens are scored in one batch."""
+        requests, params = [], []
+        for out, k in wanted:
+            ids = out.prompt_token_ids
+            requests += [{"context_token_ids": ids[:i], "continuation_token_ids": [ids[i]]}
+                         for i in range(1, len(ids))]
+            params += [LoglikelihoodParams(mc_num=1, batch_size=1, seed=0, logprobs=k)] * (
+                len(ids) - 1)
+        scored = iter(self._add_and_run(requests, params, use_tqdm, "Scoring prompts")
+                      if requests else [])
+        for out, _ in wanted:
+            out.prompt_logprobs = [None] + [self._prompt_entry(next(scored))
+                                            for _ in out.prompt_token_ids[1:]]
+
+    def _prompt_entry(self, scored: LoglikelihoodOutput) -> dict[int, Logprob]:
+        """{token id: Logprob} for one scored prompt token: it and the top k (rank: place
+        among the top k, None for a prompt token outside them)."""
+        token, value = scored.continuation_token_ids[0], scored.logprob
+        top = sorted((scored.top_logprobs or [{}])[0].items(), key=lambda kv: -kv[1])
+        entry = {t: Logprob(v, rank, self._token_text(t))
+                 for rank, (t, v) in enumerate(top, start=1)}
+        if token not in entry:
+            entry[token] = Logprob(value, None, self._token_text(token))
+        return entry
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def loglikelihood(self, requests: Any | Sequence[Any],
                       params: LoglikelihoodParams | Sequence[LoglikelihoodParams] | None = None,
@@ -163,14 +206,44 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, **template_options: Any) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them, each rendered by the chat template.
+
+        Messages are checked as the server checks them (roles system, developer, user,
+        assistant; text content): a bad one raises ValueError naming messages[i].role (with a
+        list of conversations, messages[c][i]...) before anything is queued.
+        `template_options` are vLLM's: `chat_template` (a Jinja template, or a path to one,
+        replacing the tokenizer's), `add_generation_prompt` (True), `continue_final_message`
+        (False) and `chat_template_kwargs` (extra template variables): ChatTemplateOptions,
+        cover_vllm/chat.py.
+        """
+        from cover_vllm.chat import check_messages
         from cover_vllm.tokenizer import apply_chat_template
 
+        options = _template_options(template_options)
+        single = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(
+            messages[0], dict)
+        conversations = [messages] if single else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': "
+                             "...} dicts, or a list of such conversations")
+        checked = [check_messages(conv, "messages" if single else f"messages[{c}]")
+                   for c, conv in enumerate(conversations)]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv)}
-                   for conv in conversations]
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv, options)}
+                   for conv in checked]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _template_options(given: dict[str, Any]):
+    """ChatTemplateOptions from LLM.chat's keywords; TypeError naming an unknown one."""
+    from cover_vllm.chat import ChatTemplateOptions
+
+    known = set(ChatTemplateOptions.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise TypeError(f"LLM.chat() got unknown keyword(s) {unknown}; chat template options: "
+                        f"{sorted(known)}")
+    return ChatTemplateOptions(**given)

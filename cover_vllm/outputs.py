@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
+
 
 @dataclass
 class RequestMetrics:
@@ -77,3 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # with SamplingParams.prompt_logprobs = k (LLM.generate): None for the first prompt token,
+    # then per token {token id: Logprob} with it and the k most likely tokens given the ones
+    # before it (exact: one forward each; llm.py)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

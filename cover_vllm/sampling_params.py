@@ -8,8 +8,9 @@ from typing import Any
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
 from cover_vllm.config import KV_CACHE_MODES
+from cover_vllm.outputs import MAX_LOGPROBS
+from cover_vllm.sampling_fields import check_processing_fields, check_refused_fields
 
-MAX_LOGPROBS = 20     # most alternatives `logprobs` may ask for (OpenAI's top_logprobs cap)
 MAX_N = 64            # most outputs per prompt (`n`), offline and on the server alike
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -116,6 +117,14 @@ class SamplingParams:
     `structured_outputs` constrains the output (StructuredOutputsParams; a dict of its fields is
     accepted too): every decoder commits only tokens the grammar allows after the committed
     prefix, and the request ends when the value is complete.
+
+    vLLM's other fields (cover_vllm/sampling_fields.py): `repetition_penalty`,
+    `frequency_penalty`, `presence_penalty`, `min_p` and `min_tokens` rewrite the logits every
+    masked decoder reads (engine/logits_processors.py says what each means on a canvas);
+    `skip_special_tokens`, `include_stop_str_in_output` and `detokenize` shape the output text;
+    the rest construct at vLLM's defaults and any other value raises ValueError with the reason
+    (`guided_decoding` is moved to `structured_outputs`). `decoding` and `decoding_params` are
+    checked here against the strategy registry.
     """
 
     max_tokens: int = 64
@@ -136,6 +145,39 @@ class SamplingParams:
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # vLLM's fields (sampling_fields.py): logits processors, then the output's text
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # vLLM's fields accepted at their defaults only (sampling_fields.REFUSED says why)
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: Any = None
+    guided_decoding: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    extra_args: Any = None
+    flat_logprobs: bool = False
+    logprob_token_ids: Any = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    stream_interval: int | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    trace_decode_token_ids: Any = None
+    routed_experts_prompt_start: int = 0
+    # vLLM's internal switches: any value, no effect here
+    skip_clone: bool = False
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, allow_none=False)
@@ -161,8 +203,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be 0 or -1 (off) or >= 1, got "
+                             f"{self.top_k}")
+        if self.top_k == 0:                      # vLLM's default spelling of "off"
+            self.top_k = -1
         self.stop = _check_str_list("stop", self.stop)
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple)) or not all(
@@ -179,6 +224,7 @@ class SamplingParams:
                 parse_cache_refresh(self.cache_refresh)
             except ValueError as exc:
                 raise ValueError(f"SamplingParams.{exc}") from None
+        self._vllm_fields()
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -190,3 +236,29 @@ class SamplingParams:
                             "a dict of its fields, or None")
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")
+        self._check_decoding()
+
+    def _vllm_fields(self) -> None:
+        """vLLM's extra fields: ranges, refusals, and guided_decoding moved to
+        structured_outputs (its older name)."""
+        check_processing_fields(self)
+        check_refused_fields(self)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("SamplingParams: give structured_outputs or guided_decoding "
+                                 "(its older name), not both")
+            given = self.guided_decoding
+            self.structured_outputs = given if isinstance(given, dict) else {
+                k: getattr(given, k) for k in StructuredOutputsParams.__dataclass_fields__
+                if getattr(given, k, None) is not None}
+            self.guided_decoding = None
+
+    def _check_decoding(self) -> None:
+        """The decoder's name and knobs, checked now as the server checks them (ValueError /
+        TypeError naming `decoding` and the valid names, or the knob); knobs given without a
+        decoder are the engine's default decoder's, checked when the request is added."""
+        if self.decoding is None:
+            return
+        from cover_vllm.strategies import make_params
+
+        make_params(self.decoding, self.decoding_params)

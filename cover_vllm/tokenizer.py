@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from cover_vllm.chat import ChatTemplateOptions
 
 TOKENIZER_FILES = ("tokenizer.json",)
 BPE_FILES = ("vocab.json", "merges.txt")
@@ -112,14 +115,17 @@ class LocalTokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = False,
+                            chat_template: str | None = None,
                             **kwargs: Any) -> str | list[int] | dict[str, list[int]]:
-        """Renders the template as Hugging Face does (sandboxed jinja2, trim/lstrip blocks,
-        special tokens and `raise_exception` in scope); ids without added special tokens, as a
-        list, or with `return_dict` as `__call__` gives them (transformers 5's default: pass
-        return_dict=False there for the list)."""
-        if not self.chat_template:
+        """Renders the template (`chat_template` if given, else the tokenizer's) as Hugging
+        Face does (sandboxed jinja2, trim/lstrip blocks, special tokens and `raise_exception` in
+        scope); ids without added special tokens, as a list, or with `return_dict` as
+        `__call__` gives them (transformers 5's default: pass return_dict=False there for the
+        list)."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template")
-        if self._template is None:
+        if self._template is None or self._template[0] != source:
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -128,9 +134,9 @@ class LocalTokenizer:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
+            self._template = (source, env.from_string(source))
         specials = {a: getattr(self, a) for a in _SPECIAL_ATTRS}
-        text = self._template.render(messages=list(messages),
+        text = self._template[1].render(messages=list(messages),
                                      add_generation_prompt=add_generation_prompt,
                                      **specials, **kwargs)
         if not tokenize:
@@ -199,17 +205,43 @@ def _extra_special_tokens(path: Path) -> dict[str, list[str]]:
     return {"extra_special_tokens": [_token_text(t) for t in tokens]}
 
 
-def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Prompt ids for `messages` ([{"role": ..., "content": ...}, ...]) followed by the assistant
-    turn's opening (add_generation_prompt=True)."""
-    if not getattr(tokenizer, "chat_template", None):
+def apply_chat_template(tokenizer: Any, messages: Sequence[dict[str, str]],
+                        options: ChatTemplateOptions | None = None) -> list[int]:
+    """Prompt ids for `messages` ([{"role": ..., "content": ...}, ...]) under `options`
+    (cover_vllm/chat.py; default: the tokenizer's template followed by the assistant turn's
+    opening, add_generation_prompt=True)."""
+    from cover_vllm.chat import ChatTemplateOptions
+
+    options = options or ChatTemplateOptions()
+    if not (options.chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat "
                          "template (tokenizer_config.json 'chat_template' or chat_template.jinja);"
-                         " pass prompt token ids or plain text instead")
+                         " pass prompt token ids or plain text instead, or give chat_template")
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m
                                for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    kwargs = dict(options.chat_template_kwargs or {})
+    if options.chat_template is not None:
+        kwargs["chat_template"] = options.chat_template
+    if options.continue_final_message:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False,
+                                             tokenize=False, **kwargs)
+        return tokenizer.encode(_up_to_final_message(text, messages[-1]["content"]),
+                                add_special_tokens=False)
+    ids = tokenizer.apply_chat_template(list(messages),
+                                        add_generation_prompt=options.add_generation_prompt,
+                                        tokenize=True, **kwargs)
     if hasattr(ids, "keys"):   # transformers 5 returns a BatchEncoding by default (4.x: ids)
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def _up_to_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the last message's content (what
+    continue_final_message continues), whitespace around the content ignored."""
+    for content in (final, final.strip()):
+        at = text.rfind(content) if content else -1
+        if at >= 0:
+            return text[: at + len(content)]
+    raise ValueError("continue_final_message: the last message's content does not appear in "
+                     "the rendered chat template, so there is no point to continue from")

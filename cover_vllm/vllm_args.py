@@ -19,6 +19,10 @@ Accepted whatever the value (an instruction this engine already follows):
   custom all-reduce to turn off.
 * `max_seq_len_to_capture`: there are no CUDA graphs to capture (see `enforce_eager`).
 * `use_tqdm_on_load`: loading shows no progress bar either way.
+* `disable_log_requests`: the server logs no request contents to disable (uvicorn's access
+  log, set by `serve --uvicorn-log-level`, lists each request's route and status).
+`enable_log_requests` (vLLM's switch that logs every request's prompt and parameters) is
+refused: the server keeps no such log.
 """
 
 from __future__ import annotations
@@ -138,6 +142,11 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "disable_custom_all_reduce": VllmOnly("", (_ANY,), switch=True),
     "max_seq_len_to_capture": VllmOnly("", (_ANY,)),
     "use_tqdm_on_load": VllmOnly("", (_ANY,), switch=True),
+    "disable_log_requests": VllmOnly("", (_ANY,), switch=True),
+    "enable_log_requests": VllmOnly("the server logs no request contents: uvicorn's access "
+                                    "log (serve --uvicorn-log-level info, the default) lists "
+                                    "each request, /metrics counts them", (False,),
+                                    switch=True),
 }
 
 

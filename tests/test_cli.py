@@ -64,19 +64,23 @@ NOT_GENERATE_FLAGS = {
     "mc_num": "likelihood scoring (LoglikelihoodParams.mc_num)",
     "mc_batch_size": "likelihood scoring (LoglikelihoodParams.batch_size)",
     "best_of": "refused by the server too", "suffix": "refused by the server too",
-    "frequency_penalty": "refused by the server too",
-    "presence_penalty": "refused by the server too", "logit_bias": "refused by the server too",
+    "logit_bias": "refused by the server too",
     "response_format": "OpenAI's form of --structured-outputs",
     "return_token_ids": "token ids are printed for a model without a tokenizer",
 }
 BODY = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "n": 3, "logprobs": 2,
         "stop": ["\n", "=="], "seed": 4, "max_tokens": 16, "stop_token_ids": [9, 11],
         "ignore_eos": True, "block_length": 8, "steps": 8, "decoding_params": {"threshold": 0.8},
-        "structured_outputs": {"regex": "[0-9]+"}}
+        "structured_outputs": {"regex": "[0-9]+"}, "frequency_penalty": 0.5,
+        "presence_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2,
+        "skip_special_tokens": False, "include_stop_str_in_output": True}
 FLAGS = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--n", "3", "--logprobs", "2",
          "--stop", "\n", "--stop", "==", "--seed", "4", "--max-tokens", "16",
          "--stop-token-ids", "9,11", "--ignore-eos", "--block-length", "8", "--steps", "8",
-         "--decoding-params", '{"threshold": 0.8}', "--structured-outputs", '{"regex": "[0-9]+"}']
+         "--decoding-params", '{"threshold": 0.8}', "--structured-outputs", '{"regex": "[0-9]+"}',
+         "--frequency-penalty", "0.5", "--presence-penalty", "-0.5", "--repetition-penalty",
+         "1.2", "--min-p", "0.1", "--min-tokens", "2", "--no-skip-special-tokens",
+         "--include-stop-str-in-output"]
 
 
 def test_generate_has_a_flag_for_every_sampling_field_of_the_server():
@@ -134,7 +138,7 @@ def test_generate_prints_n_outputs_and_their_logprobs(capsys):
 @pytest.mark.parametrize("flags,words", [
     (["--n", "100000"], "n (outputs per prompt) must be an integer from 1 to 64"),
     (["--n", "0"], "from 1 to 64"), (["--logprobs", "21"], "logprobs"),
-    (["--top-p", "0"], "top_p"), (["--top-k", "0"], "top_k"),
+    (["--top-p", "0"], "top_p"), (["--top-k", "-2"], "top_k"),
     (["--structured-outputs", '{"regex": "a", "choice": ["b"]}'], "exactly one of")])
 def test_generate_refuses_bad_sampling_flags_naming_the_field(flags, words, capsys):
     assert main(["generate", "cover-tiny", "--prompt", "hi", *flags]) == 2

@@ -96,4 +96,6 @@ def test_dead_replica_fails_its_requests_and_the_other_carries_on(router):
     assert failed_after < 10.0
     assert survivor.finished and len(survivor.outputs[0].token_ids) == 256
     assert after_replica == 0 and after_out.finished
-    assert router.is_alive and [c["alive"] for c in router.replica_counts()] == [True, False]
+    counts = router.replica_counts()
+    assert router.is_alive and counts[0]["alive"] and router.health() is None
+    assert counts[1]["alive"] or counts[1]["restarting"]      # replica 1 is coming back

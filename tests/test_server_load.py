@@ -81,6 +81,27 @@ def test_bench_serve_cli(server, capsys) -> None:
     assert code == 0 and "| concurrency |" in out and out.count("\n| ") >= 2
 
 
+def test_bench_serve_soak_by_count_samples_the_servers_memory(server, capsys, tmp_path) -> None:
+    """`--num-requests` ends a level at a count (no --duration: no time limit); the server's
+    RSS and KV pages are read from /metrics at the start, every --sample-every requests and at
+    the end."""
+    import json
+
+    from cover_vllm.entrypoints.cli import main
+
+    code = main(["bench", "serve", "--url", server.url, "--concurrency", "2", "--num-requests",
+                 "6", "--sample-every", "3", "--max-tokens", "8", "--prompt", PROMPTS[0],
+                 "--json", str(tmp_path / "soak.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| server RSS MB |" in out
+    (row,) = json.loads((tmp_path / "soak.json").read_text())["results"]
+    assert row["requests"] == 6 and row["errors"] == 0
+    assert [s["requests"] for s in row["samples"]] == [0, 3, 6]
+    assert all(s["rss_bytes"] > 1e6 and s["kv_pages_total"] > 0 for s in row["samples"])
+    with pytest.raises(ValueError, match="duration_s or num_requests"):
+        run_serve_bench(ServeBenchSpec(url=server.url, duration_s=None))
+
+
 def _metric(http, name: str) -> float:
     lines = [line for line in http.get("/metrics").text.splitlines()
              if line.startswith(name) and not line.startswith("#")]

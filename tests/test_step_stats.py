@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cover_vllm.attention.base import SeqLayout, build_metadata, gather_pages
+from cover_vllm.attention.base import SeqLayout, gather_pages
+from cover_vllm.attention.layout import build_metadata
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
 

@@ -16,13 +16,15 @@ PACKAGE = Path(cover_vllm.__file__).parent
 # the layers below it. The longest matching prefix places a module.
 LAYERS = [
     ("foundation", ["cover_vllm.logger", "cover_vllm.outputs", "cover_vllm.cache_refresh",
-                    "cover_vllm.config", "cover_vllm.sampling_params", "cover_vllm.step_plan",
-                    "cover_vllm.host_transfer",
+                    "cover_vllm.config", "cover_vllm.sampling_fields", "cover_vllm.chat",
+                    "cover_vllm.step_plan", "cover_vllm.host_transfer",
                     "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args",
                     "cover_vllm.scoring"]),
     ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops",
                "cover_vllm.scoring.reference"]),
-    ("strategies", ["cover_vllm.strategies", "cover_vllm.structured_output"]),
+    # SamplingParams checks a request's decoder and its knobs against the strategy registry
+    ("strategies", ["cover_vllm.strategies", "cover_vllm.structured_output",
+                    "cover_vllm.sampling_params"]),
     ("scheduler", ["cover_vllm.scheduler"]),
     ("worker", ["cover_vllm.worker", "cover_vllm.distributed", "cover_vllm.executor",
                 "cover_vllm.reference_decode"]),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cover_vllm.attention.base import AttentionBackend, AttentionMetadata, SeqLayout, build_metadata
+from cover_vllm.attention.base import AttentionBackend, AttentionMetadata, SeqLayout
+from cover_vllm.attention.layout import build_metadata
 
 BACKENDS = {
     "sdpa": ("cover_vllm.attention.sdpa", "SDPABackend"),

@@ -19,6 +19,8 @@ correction and the statistics layer read from `AttentionMetadata.visible` / `mas
 sequence (not padding, not hidden) and, for a block-causal sequence (`SeqLayout.causal_block` =
 B), lies in a block at or before the row's own: column j < (p // B + 1)·B for a row at canvas
 position p, blocks aligned to absolute position 0 (LLaDA2.x, SDAR).
+
+The metadata of a batch is built by `build_metadata` (attention/layout.py).
 """
 
 from __future__ import annotations
@@ -187,83 +189,6 @@ class AttentionMetadata:
             bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
             self._override_bias = bias.masked_fill(~allowed, float("-inf"))[:, None]
         return self._override_bias
-
-
-def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Lay out a batch (one Python pass over sequences per step, shared by every layer)."""
-    q_max = max(s.window_len for s in seqs)
-    k_max = max(int(s.key_slots.numel()) for s in seqs)
-    b = len(seqs)
-    q_index = torch.zeros(b, q_max, dtype=torch.long)
-    key_slots = torch.zeros(b, k_max, dtype=torch.long)
-    key_valid = torch.zeros(b, k_max, dtype=torch.bool)
-    out_index, write_index, write_slots, limits = [], [], [], []
-    overrides = []                          # (seq, src token, row token, row slot, column, rank)
-    bounded = False                         # some row sees fewer columns than its sequence has
-    offset = 0
-    for i, s in enumerate(seqs):
-        n, length = s.window_len, int(s.key_slots.numel())
-        flat = torch.arange(offset, offset + n)
-        q_index[i, :n] = flat
-        out_index.append(torch.arange(i * q_max, i * q_max + n))
-        key_slots[i, :length] = s.key_slots
-        key_valid[i, :length] = True if s.hidden_keys is None else ~s.hidden_keys
-        limit = s.key_limits()
-        limits.append(torch.full((n,), k_max, dtype=torch.long) if limit is None else limit)
-        bounded = bounded or limit is not None
-        slots = (s.key_slots[s.window_start:s.window_start + n] if s.positions is None
-                 else s.key_slots[s.positions])
-        if s.override:
-            src = s.row_of([pos for pos, _ in s.override])
-            rows = s.row_of([row for _, row in s.override])
-            overrides += [(i, offset + a, offset + r, r, pos, e)
-                          for e, (a, r, (pos, _)) in enumerate(zip(src, rows, s.override))]
-            keep = torch.ones(n, dtype=torch.bool)
-            keep[src] = False
-            flat, slots = flat[keep], slots[keep]
-        write_index.append(flat)
-        write_slots.append(slots)
-        offset += n
-    ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, offset)
-    num_written = sum(int(w.numel()) for w in write_index)
-    ov = torch.tensor(overrides, dtype=torch.long).reshape(-1, 6)
-    ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra = ov.to(device).unbind(1)
-    ov_fresh = torch.zeros(b, max(len(s.override) for s in seqs), dtype=torch.long, device=device)
-    ov_fresh[ov_seq, ov_extra] = ov_src
-    return AttentionMetadata(
-        write_index=torch.cat(write_index).to(device),
-        write_slots=torch.cat(write_slots).to(device),
-        q_index=q_index.to(device), out_index=torch.cat(out_index).to(device),
-        key_slots=key_slots.to(device), key_valid=key_valid.to(device),
-        ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col, ov_key=ov_seq * k_max + ov_col,
-        ov_slot=ov_slot, ov_extra=ov_extra, ov_fresh=ov_fresh, num_overrides=len(overrides),
-        ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device),
-        write_all=num_written == offset, dense_queries=offset == b * q_max,
-        all_keys_valid=bool(key_valid.all()) and not bounded,
-        row_limit=torch.cat(limits).to(device) if bounded else None)
-
-
-def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
-    """Index tensors of the extra rows; they follow all windows on the flat axis from `offset`."""
-    counts = [0 if s.extra_allowed is None else int(s.extra_allowed.shape[0]) for s in seqs]
-    b, k_max, e_max = len(seqs), key_valid.shape[1], max(counts)
-    ex_index = torch.zeros(b, e_max, dtype=torch.long)
-    ex_allowed = torch.zeros(b, e_max, k_max + e_max, dtype=torch.bool)
-    ex_allowed[:, :, 0] = True              # padded rows see one key; their output is dropped
-    ex_out = []
-    for i, (s, e) in enumerate(zip(seqs, counts)):
-        if e == 0:
-            continue
-        length = int(s.key_slots.numel())
-        assert s.extra_allowed.shape == (e, length + e), "extra_allowed must be [E, L + E]"
-        ex_index[i, :e] = torch.arange(offset, offset + e)
-        ex_out.append(torch.arange(i * e_max, i * e_max + e))
-        ex_allowed[i, :e] = False
-        ex_allowed[i, :e, :length] = s.extra_allowed[:, :length] & key_valid[i, :length]
-        ex_allowed[i, :e, k_max:k_max + e] = s.extra_allowed[:, length:]
-        offset += e
-    ex_out = torch.cat(ex_out) if ex_out else torch.zeros(0, dtype=torch.long)
-    return ex_index, ex_out, ex_allowed
 
 
 def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

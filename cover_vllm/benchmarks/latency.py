@@ -2,7 +2,8 @@
 
 Phases: schedule, prepare (batch layout), forward (the model), strategy (decide, and the
 decisions' copy to the host), update; `host_ms` is everything but the forward and `host_bytes`
-what a step copies from the device to the host (0 on a CPU engine).
+what a step copies from the device to the host (0 on a CPU engine); on CUDA `device_ms` is the
+forward's span on the device (CUDA events; None elsewhere).
 Window steps (not refreshes) are reported separately, so decoders are compared over the same
 forward window; `vs_first` is each decoding's mean window-step time over the first one's.
 
@@ -34,7 +35,8 @@ def _llm(spec: ThroughputSpec, decoding: str) -> tuple[LLM, int]:
     load_format = "dummy" if resolve_model(spec.model).path is None else "auto"
     return LLM(spec.model, decoding=decoding, load_format=load_format, seed=spec.seed,
                num_threads=threads, dtype=spec.dtypes[0], quantization=spec.quantization,
-               device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes), threads
+               device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+               enforce_eager=spec.enforce_eager), threads
 
 
 def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
@@ -63,6 +65,8 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
             row["step_ms"] = sum(row[f"{p}_ms"] for p in PHASES)
             row["host_ms"] = row["step_ms"] - row["forward_ms"]     # everything but the model
             row["host_bytes"] = statistics.mean(t["host_bytes"] for t in window)
+            device = [t["device_forward"] for t in window]
+            row["device_ms"] = None if None in device else 1e3 * statistics.mean(device)
             row["request_ms"] = 1e3 * sum(sum(t[p] for p in PHASES) for t in steps) / repeats
             rows.append(row)
     for kv in spec.kv_caches:
@@ -74,7 +78,9 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
 
 def format_latency(rows: list[dict]) -> str:
     cols = ["decoding", "kv_cache", "nfe", *[f"{p}_ms" for p in PHASES], "step_ms", "host_ms",
-            "host_bytes", "vs_first", "request_ms"]
+            "host_bytes", "device_ms", "vs_first", "request_ms"]
+    if all(r.get("device_ms") is None for r in rows):
+        cols.remove("device_ms")                     # measured on CUDA only
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]

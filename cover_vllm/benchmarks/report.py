@@ -1,11 +1,9 @@
-"""Benchmark reports: the terminal/markdown table and the PNG (accuracy vs tokens/s, accuracy vs
-model FLOPs per token, NFE/token)."""
+"""Benchmark reports: the terminal/markdown table, the pieces of a row's log line, and the PNG
+(accuracy vs tokens/s, accuracy vs model FLOPs per token, NFE/token)."""
 
 from __future__ import annotations
 
 from cover_vllm.benchmarks.machine import PEAK_GEMM_SIZE
-
-PEAK_GEMM = f"{PEAK_GEMM_SIZE}³ GEMM"
 
 COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("cache_refresh", "{}"),
            ("num_prompts", "{}"),
@@ -19,7 +17,39 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("flops_per_token", "{:.4g}"), ("prefix_hit_rate", "{:.1%}"),
            ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}"),
            ("canvas_steps", "{:.1f}"), ("accepted_per_step", "{:.2f}"),
-           ("encoder_flop_share", "{:.1%}")]
+           ("encoder_flop_share", "{:.1%}"), ("device_ms_per_step", "{:.2f}"),
+           ("device_ops_per_step", "{:.0f}"), ("launches_per_step", "{:.0f}"),
+           ("host_ops_per_step", "{:.0f}"), ("forward_ops_per_step", "{:.0f}")]
+# shown only when some row has them: CUDA's device time, --count-ops' counts
+OPTIONAL = {"device_ms_per_step", "device_ops_per_step", "launches_per_step",
+            "host_ops_per_step", "forward_ops_per_step"}
+
+
+def rates_text(row) -> str:
+    """'MFU m (bound b, MBU u)' of a ThroughputRow."""
+    if row.mfu is None:
+        return "MFU - (shapes only)"
+    return f"MFU {row.mfu:.0%} (bound {row.mfu_bound:.0%}, MBU {row.mbu:.0%})"
+
+
+def device_text(row) -> str:
+    """', device D ms/step' (CUDA) and ', ops/step: ...' (--count-ops) when measured."""
+    text = "" if row.device_ms_per_step is None else \
+        f", device {row.device_ms_per_step:.1f} ms/step"
+    if row.host_ops_per_step is not None:
+        device = ("-" if row.device_ops_per_step is None else
+                  f"{row.device_ops_per_step:.0f} ({row.launches_per_step:.0f} launches)")
+        text += (f", ops/step: {device} device, {row.host_ops_per_step:.0f} host, "
+                 f"{row.forward_ops_per_step:.0f} in the forward")
+    return text
+
+
+def spread_text(row) -> str:
+    """', median of N: lo-hi tok/s' when the row was timed more than once."""
+    if row.repeats < 2:
+        return ""
+    runs = row.tokens_per_s_runs
+    return f", median of {row.repeats}: {min(runs):.1f}-{max(runs):.1f} tok/s"
 
 
 def _cell(fmt: str, value) -> str:
@@ -27,9 +57,11 @@ def _cell(fmt: str, value) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(n for n, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = [(n, f) for n, f in COLUMNS
+               if n not in OPTIONAL or any(row.get(n) is not None for row in rows)]
+    lines = ["| " + " | ".join(n for n, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(f, row.get(n)) for n, f in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(f, row.get(n)) for n, f in columns) + " |")
     return "\n".join(lines)
 
 
@@ -48,8 +80,9 @@ def format_markdown(report: dict, command: str) -> str:
     return "\n".join([
         f"# cover-vllm bench throughput: {report['model']}", "",
         f"`{command}`", "",
-        f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, "
-        f"measured peak {PEAK_GEMM}: {peaks}; memory read {m.get('read_gbps')} GB/s", "",
+        f"machine: {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}; "
+        f"device {m.get('device', 'cpu')}: measured peak {m.get('gemm_size', PEAK_GEMM_SIZE)}³ "
+        f"GEMM: {peaks}; memory {m.get('read_gbps')} GB/s", "",
         "  \n".join(ref_lines), "",
         format_table(report["results"]), ""])
 

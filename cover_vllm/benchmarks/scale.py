@@ -7,7 +7,8 @@ batch 4 (`output_len` tokens, one block, random prompt ids, EOS ignored): second
 step (all steps, and window steps without the block-start refresh), output tokens/s, MFU and
 MBU (the weight bytes a step reads as stored, quantized or not, over the measured read rate;
 `--quantization` runs the int8 / int4 / w8a8 model; a w8a8 row's MFU is against the measured
-int8 GEMM peak, `mfu_dtype` against the model dtype's).
+int8 GEMM peak, `mfu_dtype` against the model dtype's). The peaks are those of the device the
+engine runs on (benchmarks/machine.py), measured after the generate rows.
 `logits_path` saves the driver's logits of the very first forward (batch 1) so two runs, e.g.
 TP=1 and TP=2, can be compared (`compare_logits`).
 
@@ -26,7 +27,8 @@ import time
 
 import torch
 
-from cover_vllm.benchmarks.machine import dtype_name, forward_weight_bytes, machine_info
+from cover_vllm.benchmarks.machine import (dtype_name, forward_weight_bytes, machine_info,
+                                           utilization)
 from cover_vllm.engine.observer import PHASES
 from cover_vllm.llm import LLM
 from cover_vllm.models.builtin import resolve_model
@@ -52,6 +54,7 @@ class ScaleSpec:
     seed: int = 0
     logits_path: str | None = None
     denoising_steps: int = 2               # uniform-state models: decoder steps per canvas
+    enforce_eager: bool = False            # vLLM's knob (EngineConfig.enforce_eager)
 
 
 def _capture_first_logits(llm: LLM, path: str) -> None:
@@ -128,10 +131,12 @@ def run_scale(spec: ScaleSpec, log=print) -> dict:
               quantization=spec.quantization,
               tensor_parallel_size=spec.tensor_parallel_size, load_format=load_format,
               kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-              memory_utilization=spec.memory_utilization, num_threads=spec.threads)
+              memory_utilization=spec.memory_utilization, num_threads=spec.threads,
+              enforce_eager=spec.enforce_eager)
     load_s = time.perf_counter() - start
     plan = llm.engine.memory
-    report = {"spec": dataclasses.asdict(spec), "machine": machine_info(read_rate=False),
+    report = {"spec": dataclasses.asdict(spec),
+              "machine": machine_info(read_rate=False, device=llm.engine.device),
               "load_s": load_s, "load_format": load_format, "weight_bytes": plan.weight_bytes,
               "kv_bytes": plan.kv_bytes, "kv_pages": plan.num_pages,
               "page_size": plan.page_size, "canvases": plan.canvases,
@@ -162,16 +167,17 @@ def _roofline(llm: LLM, report: dict) -> None:
     config, quant = llm.engine.config, llm.engine.quantization
     dtype = resolve_dtype(config.dtype, llm.engine.spec, config.device)
     w8a8 = quant is not None and quant.method == "w8a8"
-    machine = machine_info((dtype,), int8=True)
+    machine = machine_info((dtype,), int8=True, device=llm.engine.device)
     peaks = machine["matmul_gflops"]
     peak, read = peaks[dtype_name(dtype)], machine["read_gbps"]
     per_forward = forward_weight_bytes(llm.engine.flop_model, dtype, quant)
     report["machine"] = machine
     report["weight_bytes_per_forward"] = per_forward
     for row in report["generate"]:
-        rate = row["flops"] / row["busy_s"] / 1e9
-        row["mfu"] = rate / (peaks.get("int8", peak) if w8a8 else peak)   # its own arithmetic
-        row["mfu_dtype"] = rate / peak                                    # against `dtype`'s
+        rate, at = row["flops"] / row["busy_s"] / 1e9, f"batch {row['batch_size']}"
+        row["mfu"] = utilization(rate, peaks.get("int8", peak) if w8a8 else peak,
+                                 f"{at} MFU")                          # its own arithmetic
+        row["mfu_dtype"] = rate / peak                                 # against `dtype`'s
         row["mbu"] = row["steps"] * per_forward / row["busy_s"] / (read * 1e9)
 
 
@@ -184,8 +190,9 @@ def format_scale(report: dict) -> str:
              f"load {report['load_s']:.1f} s, weights {report['weight_bytes'] / GiB:.2f} GiB, "
              f"KV {report['kv_bytes'] / GiB:.2f} GiB ({report['kv_pages']} pages), "
              f"peak RSS per rank [{peaks}] GiB",
-             "peak GEMM rate " + ", ".join(f"{name} {rate}" for name, rate in
-                                           report["machine"]["matmul_gflops"].items())
+             f"peak GEMM rate on {report['machine'].get('device', 'cpu')} "
+             + ", ".join(f"{name} {rate}" for name, rate in
+                         report["machine"]["matmul_gflops"].items())
              + " GOP/s (MFU: against the peak of the arithmetic the projections run in; "
              "MFU dtype: against the model dtype's)",
              "| batch | steps | s/step | s/window step | tokens/s | NFE | GFLOP/token | MFU | "

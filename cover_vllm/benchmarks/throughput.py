@@ -11,9 +11,12 @@ task's held-out split (--task: accuracy from the task's verifier; tokens counted
 Each combination gets a warm-up first. A separately written dense loop (reference_decode: no
 cache, batch 1, one token per step) runs on the same weights, dtype and prompts in the same
 process, so every row has a ×-vs-reference ratio measured side by side. MFU divides by the peak
-GEMM rate measured in the row's own dtype (a bf16 row against the bf16 peak). Compare ratios
-within one run. With `repeats` > 1 every combination runs that many times, round-robin (so a
-machine whose speed drifts slows every row alike), and its row reports the run of median time.
+GEMM rate measured in the row's own dtype (a bf16 row against the bf16 peak) on the device the
+model runs on (benchmarks/machine.py: CUDA rows against the GPU's own peaks); an MFU above 100 %
+is logged as the bug it is. Compare ratios within one run. With `repeats` > 1 every combination
+runs that many times, round-robin (so a machine whose speed drifts slows every row alike), and
+its row reports the run of median time. On CUDA a row also reports the forward's device time
+per step (CUDA events); `count_ops` adds the ops of every step (benchmarks/step_ops.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import torch
 
 from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
                                            forward_weight_bytes, machine_info, mfu_bound,
-                                           pin_threads, step_flops)
+                                           pin_threads, step_flops, utilization)
+from cover_vllm.benchmarks.report import device_text, rates_text, spread_text
+from cover_vllm.benchmarks.step_ops import count_row_ops
 from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
@@ -62,6 +67,8 @@ class ThroughputSpec:
     quantization: str | None = None    # EngineConfig.quantization: weight-only int8 / int4
     device: str = "cpu"                # EngineConfig.device ("meta": host work alone)
     kv_cache_memory_bytes: int | None = None
+    count_ops: bool = False            # one extra, untimed run per row counting ops per step
+    enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
 
 
 @dataclass
@@ -108,6 +115,15 @@ class ThroughputRow:
     canvas_steps: float | None = None  # uniform-state: decoder steps per canvas (mean)
     accepted_per_step: float | None = None   # positions the entropy bound accepted per step
     encoder_flop_share: float | None = None  # encoder FLOPs / all model FLOPs
+    device_ms_per_step: float | None = None  # CUDA: the forward's span on the device (CUDA
+                                             # events, mean); None on any other device
+    # --count-ops (benchmarks/step_ops.py), per step: ops with an output on the device (CUDA:
+    # launches and views; None on the CPU), of which not views, ops on the host, ops inside
+    # the executor call
+    device_ops_per_step: float | None = None
+    launches_per_step: float | None = None
+    host_ops_per_step: float | None = None
+    forward_ops_per_step: float | None = None
 
 
 def default_decodings(model: str) -> tuple[str, ...]:
@@ -206,7 +222,8 @@ def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
     return {"dtype": dtype_name(dtype),
             "tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
             "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
-            "mfu": flops / seconds / (peak_gflops * 1e9),
+            "mfu": utilization(flops / seconds / 1e9, peak_gflops,
+                               f"reference loop ({dtype_name(dtype)}) MFU"),
             "mfu_bound": mfu_bound(flops, streamed, peak_gflops, read_gbps)}
 
 
@@ -221,6 +238,7 @@ class _Run(NamedTuple):
     peak_kv_pages: int
     host_ms: float           # per step, outside the forward (mean)
     host_bytes: float        # per step, device to host (mean)
+    device_ms: float | None  # per step, the forward on the device (CUDA events; else None)
 
 
 def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
@@ -243,16 +261,18 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
     steps = max(len(times), 1)
     host_ms = 1e3 * (total - sum(t["forward"] for t in times)) / steps
     host_bytes = sum(t["host_bytes"] for t in times) / steps
+    device = [t["device_forward"] for t in times]
+    device_ms = (1e3 * sum(device) / steps if times and None not in device else None)
     return _Run(outs, seconds, overhead, flops, len(times), engine.pool.peak_used, host_ms,
-                host_bytes)
+                host_bytes, device_ms)
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     threads = pin_threads(spec.model, spec.threads)
     resolved = resolve_model(spec.model)
     model_spec = ModelSpec.from_config(resolved.config)
-    dtypes = [resolve_dtype(d, model_spec) for d in dict.fromkeys(spec.dtypes)]
-    machine = machine_info(tuple(dtypes))
+    dtypes = [resolve_dtype(d, model_spec, spec.device) for d in dict.fromkeys(spec.dtypes)]
+    machine = machine_info(tuple(dtypes), device=spec.device)
     load_format = "dummy" if resolved.path is None else "auto"
     report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
               "quantization": spec.quantization}
@@ -265,7 +285,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
                       num_threads=threads, dtype=name, quantization=spec.quantization,
-                      device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
+                      device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
+                      enforce_eager=spec.enforce_eager)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             if name not in report["reference"] and spec.reference_prompts and \
                     spec.device != "meta":             # a shapes-only model yields no tokens
@@ -294,8 +315,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         """Append and log the row of one combination from its runs (the median run's times)."""
         decoding, kv, refresh = combo
         median = statistics.median_low(run.seconds for run in measured)
-        outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = next(
-            run for run in measured if run.seconds == median)
+        outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes, \
+            device_ms = next(run for run in measured if run.seconds == median)
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
                                                    getattr(torch, dtype),
                                                    llm.engine.quantization)
@@ -314,7 +335,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             remasks=statistics.mean(m.remasks for m in ms),
             flip_flops=statistics.mean(m.flip_flops for m in ms),
             peak_kv_pages=peak_pages, overhead_fraction=overhead,
-            mfu=flops / seconds / (peak * 1e9),
+            mfu=None if spec.device == "meta" else utilization(
+                flops / seconds / 1e9, peak, f"{dtype} {decoding} {kv} bs={bs} MFU"),
             speedup_vs_reference=(tokens / seconds / ref["tokens_per_s"]) if ref else None,
             seconds=seconds, gflops_per_token=gflops,
             flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
@@ -324,7 +346,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
             tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
             prefix_hit_rate=prefix_hit_rate(ms), host_ms_per_step=host_ms,
-            host_bytes_per_step=host_bytes, **_canvas_stats(ms, work))
+            host_bytes_per_step=host_bytes, device_ms_per_step=device_ms,
+            **_canvas_stats(ms, work), **counts[combo])
         if spec.device == "meta":           # no arithmetic ran: rates against peaks mean nothing
             row = dataclasses.replace(row, mfu=None, mfu_bound=None, mbu=None)
         report["results"].append(asdict(row))
@@ -332,18 +355,23 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
                   f"  steps/canvas {row.canvas_steps:.1f}  accepted/step "
                   f"{row.accepted_per_step:.2f}  encoder FLOPs {row.encoder_flop_share:.1%}")
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-            f"{row.tokens_per_s:8.1f} tok/s  {_rates(row)}{canvas}  refreshes "
+            f"{row.tokens_per_s:8.1f} tok/s  {rates_text(row)}{canvas}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
             f"{overhead:.0%}  host {host_ms:.1f} ms/step, {host_bytes / 1e3:.1f} kB/step to "
-            f"the host  ({seconds:.1f}s{_spread(row)})")
+            f"the host{device_text(row)}  ({seconds:.1f}s{spread_text(row)})")
 
     combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]
     runs: dict[tuple[str, str, str], list[_Run]] = {combo: [] for combo in combos}
+    counts: dict[tuple[str, str, str], dict] = {}       # --count-ops, after the timed runs
     for last in [False] * (spec.repeats - 1) + [True]:   # round-robin: drift slows every row
         for combo in combos:                            # alike; a row is logged after its
             decoding, kv, refresh = combo               # last run
-            runs[combo].append(_measure(llm, work, work.params(spec, decoding, (kv, refresh))))
+            params = work.params(spec, decoding, (kv, refresh))
+            runs[combo].append(_measure(llm, work, params))
             if last:
+                counts[combo] = (count_row_ops(llm, work.prompts[:bs], params)
+                                 if spec.count_ops else {})
+                counts[combo].pop("counted_steps", None)
                 record(combo, runs[combo])
 
 
@@ -356,17 +384,3 @@ def _canvas_stats(ms: list, work: Workload) -> dict:
             "accepted_per_step": sum(m.accepted_tokens for m in ms) / max(1, sum(m.steps
                                                                               for m in ms)),
             "encoder_flop_share": sum(m.encoder_flops for m in ms) / flops if flops else 0.0}
-
-
-def _rates(row: ThroughputRow) -> str:
-    if row.mfu is None:
-        return "MFU - (shapes only)"
-    return f"MFU {row.mfu:.0%} (bound {row.mfu_bound:.0%}, MBU {row.mbu:.0%})"
-
-
-def _spread(row: ThroughputRow) -> str:
-    """', median of N: lo-hi tok/s' when the row was timed more than once."""
-    if row.repeats < 2:
-        return ""
-    runs = row.tokens_per_s_runs
-    return f", median of {row.repeats}: {min(runs):.1f}-{max(runs):.1f} tok/s"

@@ -2,7 +2,8 @@
 in one copy.
 
 Per strategy instance, one vectorised `decide` over its requests' views, on the device where the
-forward left the logits (the structured-output frontier rows masked there first), then, for the
+forward left the logits (vLLM's logits processors applied there first, for the requests that set
+them: engine/logits_processors.py; then the structured-output frontier rows masked), then, for the
 requests that asked, the written tokens' logprobs (also on the device). Every group's decision
 tensors then cross to the host together (cover_vllm/host_transfer.py: one copy per step,
 whatever the batch or the mix of strategies), where each strategy `absorb`s its decision (its own
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cover_vllm.engine.logits_processors import process_logits
 from cover_vllm.engine.logprobs import attach_logprobs, logprob_rows
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import SchedulerOutput
@@ -79,24 +81,29 @@ def _extras(rows: list[torch.Tensor | None] | None,
 
 
 def _canvas_rows(reqs: list[Request], items, width: int) -> CanvasRows:
-    """The views' canvas rows on the host."""
-    valid = torch.zeros(len(reqs), width, dtype=torch.bool)
-    in_block = torch.zeros_like(valid)
-    is_gen = torch.zeros_like(valid)
+    """The views' canvas rows on the host, with a fixed number of tensor ops for the whole
+    group: one table of each row's integers, broadcast against one `arange`, and one gather
+    from the requests' canvases laid end to end (tests/test_decide_rows.py: the per-request
+    loop it replaced)."""
+    offsets, acc = [], 0
+    for req in reqs:
+        offsets.append(acc)
+        acc += req.canvas_len
+    ints = torch.tensor([(it.view_start, it.view_end - it.view_start, *req.block,
+                          req.prompt_len, off)
+                         for req, it, off in zip(reqs, items, offsets)], dtype=torch.long)
+    view_start, n, start, end, prompt_len, off = ints.t()[:, :, None]   # each [n, 1]
+    cols = torch.arange(width)
+    pos = view_start + cols                                             # [n, W]
+    valid = cols < n
+    canvas = torch.cat([req.canvas for req in reqs])                    # [sum L]
+    tokens = canvas[(off + pos).clamp(max=acc - 1)].masked_fill_(~valid, reqs[0].mask_id)
     seeds = torch.zeros_like(valid)
-    tokens = []
-    for i, (req, item) in enumerate(zip(reqs, items)):
-        if item.override:
-            seeds[i, torch.tensor([s for s, _ in item.override]) - item.view_start] = True
-        n = item.view_end - item.view_start
-        pos = torch.arange(item.view_start, item.view_end)
-        start, end = req.block
-        valid[i, :n] = True
-        in_block[i, :n] = (pos >= start) & (pos < end)
-        is_gen[i, :n] = pos >= req.prompt_len
-        tokens.append(req.canvas[item.view_start:item.view_end])
-    return CanvasRows(_pad_stack(tokens, width, reqs[0].mask_id), valid, in_block, is_gen,
-                      seeds, reqs[0].mask_id)
+    picks = [(i, s - it.view_start) for i, it in enumerate(items) for s, _ in it.override]
+    if picks:
+        seeds[tuple(torch.tensor(picks, dtype=torch.long).t())] = True
+    return CanvasRows(tokens, valid, (pos >= start) & (pos < end) & valid,
+                      (pos >= prompt_len) & valid, seeds, reqs[0].mask_id)
 
 
 def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
@@ -131,6 +138,11 @@ class _Group:
     batch: StepBatch
     decision: Decision                     # device tensors, then (after the copy) host ones
     logprobs: dict[int, tuple]             # row -> logprob_rows' device (then host) tensors
+    raw: dict[int, torch.Tensor]           # row -> its logits before the logits processors
+
+    def raw_logits(self, row: int) -> torch.Tensor:
+        """Request `row`'s logits as the model gave them ([MASK] excluded): what logprobs read."""
+        return self.raw.get(row, self.batch.logits[row])
 
     def tensors(self) -> list[torch.Tensor | None]:
         return self.decision.tensors() + [t for rows in self.logprobs.values() for t in rows]
@@ -160,8 +172,8 @@ def run_strategies(out: SchedulerOutput, requests: dict[str, Request], result,
         if g.batch.device.type == "meta":
             g.decision = _dry_run(g.batch, g.decision)
         g.strategy.absorb(g.batch, g.decision)
-        for row, (req, item) in enumerate(zip(g.reqs, g.items)):
-            decision = _row(g.decision, row, item.view_end - item.view_start)
+        rows = _rows(g.decision, [item.view_end - item.view_start for item in g.items])
+        for row, (req, item, decision) in enumerate(zip(g.reqs, g.items, rows)):
             if req.grammar is not None:
                 decision = constrain_decision(req.grammar, _view_row(g.batch, row, req, item),
                                               decision)
@@ -194,6 +206,7 @@ def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: lis
     extra = None if result.extra_logits is None else [result.extra_logits[i] for i in idx]
     strategy = reqs[0].strategy
     batch = _batch(reqs, items, [result.logits[i] for i in idx], *stats, extra_logits=extra)
+    raw = process_logits(batch.logits, reqs, [it.view_start for it in items])
     for observer in observers:
         observer.on_decide(strategy, batch)
     saved = mask_frontiers([(r.grammar, batch.logits[row], _frontier_index(r, it))
@@ -201,21 +214,34 @@ def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: lis
     d = strategy.decide(batch)
     restore(saved)
     written = d.commit if d.replace is None else d.commit | d.replace
-    logprobs = {row: logprob_rows(batch.logits[row], written[row], d.tokens[row],
-                                  r.params.logprobs)
+    logprobs = {row: logprob_rows(raw.get(row, batch.logits[row]), written[row],
+                                  d.tokens[row], r.params.logprobs)
                 for row, r in enumerate(reqs)
                 if r.params.logprobs is not None and r.grammar is None}
-    return _Group(strategy, reqs, items, batch, d, logprobs)
+    return _Group(strategy, reqs, items, batch, d, logprobs, raw)
 
 
-def _row(d: Decision, row: int, n: int) -> RowDecision:
-    """Request `row`'s decision over its n view positions (host tensors)."""
-    pick = lambda t: None if t is None else t[row, :n]  # noqa: E731
-    return RowDecision(commit=d.commit[row, :n], tokens=d.tokens[row, :n],
-                       remask=pick(d.remask), replace=pick(d.replace),
-                       keeps=0 if d.keeps is None else int(d.keeps[row]),
-                       verified=0 if d.verified is None else int(d.verified[row]),
-                       stop=False if d.stop is None else bool(d.stop[row]))
+def _rows(d: Decision, widths: list[int]) -> list[RowDecision]:
+    """Each request's decision over its view positions (`widths[row]` of them; host tensors):
+    one `unbind` per decision tensor, and a slice only for a row narrower than the widest."""
+    width = d.commit.shape[1]
+
+    def split(t: torch.Tensor | None) -> list:
+        if t is None:
+            return [None] * len(widths)
+        return [r if n == width else r[:n] for r, n in zip(t.unbind(0), widths)]
+
+    def ints(t: torch.Tensor | None, default) -> list:
+        return [default] * len(widths) if t is None else t.tolist()
+
+    remasks = split(d.remask)               # None for a row that remasks nothing
+    if d.remask is not None:
+        remasks = [r if any_ else None for r, any_ in zip(remasks, d.remask.any(1).tolist())]
+    return [RowDecision(commit=c, tokens=t, remask=rm, replace=rp, keeps=int(k),
+                        verified=int(v), stop=bool(st))
+            for c, t, rm, rp, k, v, st in zip(split(d.commit), split(d.tokens), remasks,
+                                              split(d.replace), ints(d.keeps, 0),
+                                              ints(d.verified, 0), ints(d.stop, False))]
 
 
 def _dry_run(batch: StepBatch, d: Decision) -> Decision:
@@ -237,7 +263,7 @@ def _late_logprobs(late: list, transfer: HostTransfer) -> None:
     for g, row, decision in late:
         written = decision.commit if decision.replace is None else \
             decision.commit | decision.replace
-        logits = g.batch.logits[row, : written.shape[0]]
+        logits = g.raw_logits(row)[: written.shape[0]]
         parts.append(logprob_rows(logits, written.to(logits.device),
                                   decision.tokens.to(logits.device),
                                   g.reqs[row].params.logprobs))

@@ -108,7 +108,7 @@ class EngineDriver:
         try:
             self.engine.check_health()           # reads a flag; safe from any thread
         except Exception as exc:
-            return f"the engine is dead: {type(exc).__name__}: {exc}"
+            return f"the engine is dead: {_what(exc)}"
         return None
 
     def add(self, submission: Submission, accept: Accept) -> None:
@@ -264,8 +264,7 @@ class EngineDriver:
             self._fail(sub, exc)
 
     def _fail_all(self, exc: Exception) -> None:
-        logger.error("%s: the engine died (%s: %s); failing every request", self.name,
-                     type(exc).__name__, exc)
+        logger.error("%s: the engine died (%s); failing every request", self.name, _what(exc))
         subs = [*self._abort_live(), *self._held, *(s for g in self._groups for s in g)]
         self._held.clear(), self._groups.clear()
         self._replaying = False
@@ -285,7 +284,7 @@ class EngineDriver:
 
     def _fail(self, sub: Submission, exc: Exception) -> None:
         self.sink.failed(sub.request_id, EngineRequestError(
-            f"the engine failed on this request: {type(exc).__name__}: {exc}"))
+            f"the engine failed on this request: {_what(exc)}"))
 
     def _shutdown(self) -> None:
         error = EngineRequestError("the server is shutting down")
@@ -301,3 +300,9 @@ class EngineDriver:
                 break
             if command == "add":
                 arg[1](error)
+
+
+def _what(exc: Exception) -> str:
+    """`Type: message` of an engine error; an ExecutorError's reason without its advice to
+    offline users (rebuild the LLM), which does not apply to a server."""
+    return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"

@@ -35,9 +35,10 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.canvas_request import CanvasRequest
+from cover_vllm.scheduler.canvas_table import DecisionWrites
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.output import SchedulerOutput
-from cover_vllm.scheduler.request import Request
+from cover_vllm.scheduler.request import Request, block_masked_counts
 from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scheduler.score_request import scoring_request
@@ -252,16 +253,16 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
-        clock = StepClock()
+        clock = StepClock(self.device if self._observers else None)   # CUDA: event pair
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
             return []
         clock.lap("schedule")
         self._notify("on_schedule", out)
+        clock.start_device()
         result = self.executor.execute_model(out)
-        if self._observers and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # observed: the forward's lap is its run time
+        clock.stop_device()                   # observed on CUDA: waits for the forward
         clock.lap("forward")
         self._account(out, result)
         decisions = self.stage.decide(out, self._requests, result, self._observers,
@@ -277,7 +278,8 @@ class Engine:
             self._notify("on_step", StepRecord.of(
                 clock.laps, result.prepare_s, out,
                 host_copies=result.host_copies + self.transfer.copies - copies,
-                host_bytes=result.host_bytes + self.transfer.bytes - moved))
+                host_bytes=result.host_bytes + self.transfer.bytes - moved,
+                device_forward=clock.device_s()))
         return outputs
 
     def schedule(self) -> SchedulerOutput:
@@ -304,17 +306,24 @@ class Engine:
         """Each request applies its decision; a request whose block became FINAL yields an
         output (finished, or a partial one whose text can never change: streaming sends only
         FINAL text)."""
-        events = []
-        for item in out.items:
-            req = self._requests[item.request_id]
-            events.append((req, req.finish_step(item, decisions[item.request_id],
-                                                self.outputs.check_stop)))
+        reqs = [self._requests[item.request_id] for item in out.items]
+        rows = [decisions[req.request_id] for req in reqs]
+        writes = None                           # rows outside the table write themselves
+        if reqs and all(req.slot is not None for req in reqs):
+            writes = DecisionWrites(self.scheduler.table, reqs,
+                                    [it.view_start for it in out.items], rows)
+        for i, (req, item) in enumerate(zip(reqs, out.items)):
+            req.apply_step(item, rows[i], writes and writes.counts[i])  # remasks, counters
+        if writes is not None:
+            writes.write()                      # every commit and replacement: one write
+        events = [(req, req.end_step(row, self.outputs.check_stop, masked))
+                  for req, row, masked in zip(reqs, rows, block_masked_counts(reqs))]
+        for req in reqs:
             self.scheduler.index_prefix(req)
         return self._report(events)
 
     def _apply_canvases(self, out: SchedulerOutput, decisions: dict) -> list[RequestOutput]:
-        """Each denoised canvas request applies its decision; one whose canvas stopped yields
-        an output (finished, or partial: a canvas became FINAL)."""
+        """Each canvas request applies its decision; a stopped canvas yields an output."""
         events = []
         for item in out.canvas_items:
             if item.request_id in decisions:            # else it only encoded this step
@@ -372,8 +381,7 @@ class Engine:
             self.add_observer(self._times)
 
     def peak_memory_bytes(self) -> list[int]:
-        """Peak resident memory (VmHWM) per tensor-parallel rank, the driver (this process)
-        first."""
+        """Peak resident memory (VmHWM) per tensor-parallel rank, the driver's first."""
         return self.executor.peak_memory_bytes()
 
     @property

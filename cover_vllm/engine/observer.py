@@ -35,10 +35,12 @@ class StepRecord:
     logit_rows: int       # rows through the LM head
     host_copies: int = 0  # device-to-host copies (0 on a CPU engine: nothing moves)
     host_bytes: int = 0   # bytes they brought to the host
+    device_forward: float | None = None   # CUDA: the executor call's span on the device
+                                          # (CUDA events); None on any other device
 
     @classmethod
     def of(cls, laps: dict[str, float], prepare_s: float, out, host_copies: int = 0,
-           host_bytes: int = 0) -> "StepRecord":
+           host_bytes: int = 0, device_forward: float | None = None) -> "StepRecord":
         shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
         for item in out.canvas_items:                     # uniform-state: encoder + decoder
             (n, enc), (c, dec) = canvas_item_shapes(item)
@@ -49,7 +51,8 @@ class StepRecord:
                    num_seqs=len(out.items) + len(out.canvas_items),
                    num_refresh=sum(i.is_refresh for i in out.items),
                    attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes),
-                   host_copies=host_copies, host_bytes=host_bytes)
+                   host_copies=host_copies, host_bytes=host_bytes,
+                   device_forward=device_forward)
 
     @property
     def host_s(self) -> float:

@@ -65,7 +65,8 @@ def _plan(req: Request) -> StepPlan:
     start, end = req.block
     return StepPlan(
         view_start=strategy.view_start(start, req.prompt_len),
-        seeds=strategy.select_seeds(state, req.canvas[start:end], start),
+        seeds=(strategy.select_seeds(state, req.canvas[start:end], start)
+               if type(strategy).select_seeds is not Strategy.select_seeds else []),
         extra=strategy.extra_rows(state, req.canvas, req.block),
         embed_edit=strategy.embed_edits(state, req.canvas, req.block),
         cfg_scale=strategy.cfg_scale, want_stats=strategy.wants_stats,

@@ -94,7 +94,9 @@ def _bench_spec(args: argparse.Namespace):
                           decoding_params=tuple(params.items()),
                           repeats=getattr(args, "timed_runs", 1),
                           quantization=args.quantization, device=args.device,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          count_ops=getattr(args, "count_ops", False),
+                          enforce_eager=args.enforce_eager)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -169,7 +171,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> None:
                      memory_utilization=args.memory_utilization, threads=args.num_threads,
                      input_len=args.input_len, output_len=args.output_len,
                      batch_sizes=args.batch_size, seed=args.seed, logits_path=args.dump_logits,
-                     denoising_steps=args.denoising_steps)
+                     denoising_steps=args.denoising_steps, enforce_eager=args.enforce_eager)
     report = run_scale(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_scale(report))
     if args.json:
@@ -202,10 +204,10 @@ def _bench_common(p: argparse.ArgumentParser, several_dtypes: bool = False) -> N
                        help="weights and activations, comma-separated to compare (auto: the "
                        "checkpoint's torch_dtype); MFU is against the peak GEMM rate in each")
         add_engine_flags(p, ["num_threads", "seed", "quantization", "device",
-                             "kv_cache_memory_bytes"])
+                             "kv_cache_memory_bytes", "enforce_eager"])
     else:
         add_engine_flags(p, ["dtype", "num_threads", "seed", "quantization", "device",
-                             "kv_cache_memory_bytes"])
+                             "kv_cache_memory_bytes", "enforce_eager"])
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -228,7 +230,11 @@ def _help_everywhere(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cover_vllm import __version__
+
     parser = argparse.ArgumentParser(prog="cover-vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="print the package version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_generate_parser(sub)
@@ -284,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,
                    help="timed runs of every row, round-robin; a row reports the median run "
                    "(use 3+ when comparing rows on a noisy machine)")
+    t.add_argument("--count-ops", action="store_true",
+                   help="one extra, untimed run per row counting the aten ops of every step: "
+                   "device ops (CUDA: kernel launches and views), host ops, ops in the forward")
     t.add_argument("--markdown", default=None, help="write a markdown report here")
     t.add_argument("--plot", default=None, help="PNG: accuracy vs tokens/s, NFE/token bars")
     t.set_defaults(func=cmd_bench_throughput)
@@ -311,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "full-size model (run in a fresh process)")
     sc.add_argument("--model", required=True, help=MODEL_HELP)
     add_engine_flags(sc, ["dtype", "quantization", "kv_cache_memory_bytes",
-                          "memory_utilization", "tensor_parallel_size", "num_threads", "seed"])
+                          "memory_utilization", "tensor_parallel_size", "num_threads", "seed",
+                          "enforce_eager"])
     sc.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens")
     sc.add_argument("--output-len", type=positive_int, default=32, help="generated tokens")
     sc.add_argument("--batch-size", type=positive_ints, default=(1, 4),

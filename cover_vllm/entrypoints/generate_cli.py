@@ -30,7 +30,11 @@ def _sampling_params(args: argparse.Namespace):
         steps=args.steps, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,
-        decoding_params=args.decoding_params, structured_outputs=args.structured_outputs)
+        decoding_params=args.decoding_params, structured_outputs=args.structured_outputs,
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+        min_tokens=args.min_tokens, skip_special_tokens=args.skip_special_tokens,
+        include_stop_str_in_output=args.include_stop_str_in_output)
 
 
 def _token(text: str | None, token_id: int) -> str:
@@ -122,5 +126,25 @@ def add_generate_parser(sub) -> None:
                    help='the output must match one constraint, as JSON with vLLM\'s fields: '
                    '{"regex": ...}, {"json": {schema}}, {"choice": [...]}, {"grammar": ...} '
                    'or {"json_object": true}')
+    _add_vllm_sampling_flags(g)
     add_vllm_only_flags(g)
     g.set_defaults(func=cmd_generate)
+
+
+def _add_vllm_sampling_flags(g: argparse.ArgumentParser) -> None:
+    """vLLM's logits processors and output switches (SamplingParams checks the values)."""
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="logit -= f x the token's count among the canvas's shown tokens")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="logit -= p for a token shown on the canvas")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (positive) or multiply (negative) the logit of a token in "
+                   "the prompt or on the canvas (1.0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of "
+                   "the top token's probability (0: off)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no EOS or stop token in the first N generated tokens")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave special tokens out of the text")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string (or stop token's text) at the end of the text")

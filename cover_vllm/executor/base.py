@@ -14,9 +14,20 @@ from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.output import SchedulerOutput
 
 
+REBUILD_ADVICE = "In-flight requests cannot finish; create a new LLM/engine."
+
+
 class ExecutorError(RuntimeError):
     """The executor can no longer run forwards; every in-flight request fails with this and the
-    engine must be rebuilt (a new LLM)."""
+    engine must be rebuilt (a new LLM). `reason` is what happened; the message adds `advice`
+    (for offline users: the server, which exits instead, reports only the reason)."""
+
+    def __init__(self, reason: str, advice: str | None = None):
+        super().__init__(reason, advice)
+        self.reason, self.advice = reason, advice
+
+    def __str__(self) -> str:
+        return f"{self.reason}. {self.advice}" if self.advice else self.reason
 
 
 class WorkerDiedError(ExecutorError):

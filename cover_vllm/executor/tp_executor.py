@@ -19,7 +19,8 @@ import weakref
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
-from cover_vllm.executor.base import ExecutorError, RemoteRankError, RemoteRanks, WorkerDiedError
+from cover_vllm.executor.base import (REBUILD_ADVICE, ExecutorError, RemoteRankError,
+                                      RemoteRanks, WorkerDiedError)
 from cover_vllm.executor.step_delta import StepEncoder
 from cover_vllm.models.builtin import ResolvedModel, local_config
 from cover_vllm.models.loader import build_model
@@ -103,13 +104,12 @@ class TPExecutor:
             what = "; ".join(c.describe() for c in culprits)
             died = any(c.died for c in culprits)
             cls = WorkerDiedError if died else ExecutorError
-            err = cls(f"tensor-parallel worker {what}. In-flight requests cannot finish; "
-                      "create a new LLM/engine.")
+            err = cls(f"tensor-parallel worker {what}", REBUILD_ADVICE)
         else:       # the driver raised, or a rank hangs (the collective timed out)
             err = ExecutorError(f"tensor-parallel step failed: {type(exc).__name__}: {exc} "
                                 f"(no remote rank reported a failure within "
-                                f"{DIAGNOSE_GRACE_S:g} s; rank pids {self.ranks.pids}). "
-                                "Create a new LLM/engine.")
+                                f"{DIAGNOSE_GRACE_S:g} s; rank pids {self.ranks.pids})",
+                                REBUILD_ADVICE)
         self._error = err
         self.shutdown()
         return err

@@ -21,6 +21,18 @@ class CanvasInput:
     key_slots: torch.Tensor      # [L] cache slot of every canvas position the window sees
                                  # (block-causal: up to the current block's end)
 
+    def __getstate__(self) -> dict:
+        """Pickled for other ranks: compact copies of tensors that are views of a batch-wide
+        tensor (the step's gathered ids, admission's slot tables), not that tensor whole."""
+        return {name: _compact(value) for name, value in self.__dict__.items()}
+
+
+def _compact(value):
+    if isinstance(value, torch.Tensor) and \
+            value.untyped_storage().nbytes() > value.numel() * value.element_size():
+        return value.clone()
+    return value
+
 
 @dataclass
 class WorkItem:

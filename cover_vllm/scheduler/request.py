@@ -122,6 +122,7 @@ class Request:
         self.token_logprobs: dict[int, KeptLogprobs] = {}
         self.output_logprobs: list = []
         self.grammar: GrammarState | None = None   # structured outputs: set by the engine
+        self.slot: int | None = None           # row of the canvas table while running
 
     # ---- geometry --------------------------------------------------------------------------
     @staticmethod
@@ -188,16 +189,20 @@ class Request:
         return int((self.canvas[start:end] == self.mask_id).sum())
 
     # ---- state changes ---------------------------------------------------------------------
-    def begin_block(self) -> None:
+    def begin_block(self, masked: int | None = None) -> None:
+        """Start the current block; `masked` = its [MASK] count when the caller counted it."""
         memory = self.state.memory                                # per-request, across blocks
         self.state = self._block_state(self.block_steps[self.block_idx])
         self.state.memory = memory
-        self.strategy.start_block(self.state, self.block_masked())
+        self.strategy.start_block(self.state, self.block_masked() if masked is None else masked)
         self.needs_refresh = True
 
     def apply(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
-              remask: torch.Tensor | None, replace: torch.Tensor | None) -> tuple[int, int]:
+              remask: torch.Tensor | None, replace: torch.Tensor | None,
+              written: tuple[int, int] | None = None) -> tuple[int, int]:
         """Apply one decision row (view-relative [W] tensors) to the canvas and the counters.
+        `written` = (commits, replacements) when the engine already wrote them into the canvas
+        table for the whole batch (scheduler/canvas_table.py); else they are written here.
         Returns (positions whose token changed, of which revised by a check: replace/remask)."""
         m = self.metrics
         revised = 0
@@ -209,34 +214,51 @@ class Request:
                 self.token_logprobs.pop(pos, None)
             m.remasks += int(remask.sum())
             revised += int(remask.sum())
-        if replace is not None and bool(replace.any()):
-            idx = replace.nonzero().flatten()
-            self.canvas[view_start + idx] = tokens[idx]
-            m.replaces += int(idx.numel())
-            revised += int(idx.numel())
-        idx = commit.nonzero().flatten()
-        if self.remasked_from:
-            for i in idx.tolist():
+        if written is None:
+            written = self._write(view_start, commit, tokens, replace)
+        commits, replaces = written
+        m.replaces += replaces
+        revised += replaces
+        if self.remasked_from and commits:
+            for i in commit.nonzero().flatten().tolist():
                 before = self.remasked_from.pop(view_start + i, None)
                 if before is not None and before == int(tokens[i]):
                     m.flip_flops += 1
-        self.canvas[view_start + idx] = tokens[idx]
         self.state.step += 1
         m.steps += 1
-        return revised + int(idx.numel()), revised
+        return revised + commits, revised
+
+    def _write(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
+               replace: torch.Tensor | None) -> tuple[int, int]:
+        """Write one row's replacements and commits into the canvas; their counts."""
+        replaces = 0
+        if replace is not None and bool(replace.any()):
+            idx = replace.nonzero().flatten()
+            self.canvas[view_start + idx] = tokens[idx]
+            replaces = int(idx.numel())
+        idx = commit.nonzero().flatten()
+        self.canvas[view_start + idx] = tokens[idx]
+        return int(idx.numel()), replaces
 
     def note_written(self, item: WorkItem) -> None:
         """Record which token each written position's cached K/V now hold (override positions
         keep their old K/V); block-causal: every block before the current one is final now."""
-        pos, ids = item.positions(), item.canvases[0].input_ids
         if self.causal_block is not None:
             block_start = self.block[0] // self.causal_block * self.causal_block
             if item.window_start <= self.cached_end:
                 self.cached_end = max(self.cached_end, block_start)
+        if not self.tracks_kv_tokens:
+            return
+        pos, ids = item.positions(), item.canvases[0].input_ids
         if item.override:
             keep = ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
             pos, ids = pos[keep], ids[keep]
         self.kv_tokens[pos] = ids
+
+    @property
+    def tracks_kv_tokens(self) -> bool:
+        """Whether `kv_tokens` is kept: only sparse windows read it (dual cache, adaptive)."""
+        return self.kv_cache == "dual" and self.refresh.policy.sparse
 
     def charge(self, forward_tokens: int, flops: float, cached_mass=None,
                column_mass=None) -> None:
@@ -252,9 +274,16 @@ class Request:
         """After the forward of `item`: apply the decision, then, if the strategy says the block
         is complete, make it FINAL and check for a stop. Returns None (nothing to report),
         "block" (a block became FINAL; the request goes on) or the finish reason."""
+        self.apply_step(item, decision)
+        return self.end_step(decision, stop_rule, self.block_masked())
+
+    def apply_step(self, item: WorkItem, decision: RowDecision,
+                   written: tuple[int, int] | None = None) -> None:
+        """`finish_step`'s first half: the decision written to the canvas and the counters
+        (`written`: see `apply`)."""
         self.note_written(item)
         changed, revised = self.apply(item.view_start, decision.commit, decision.tokens,
-                                      decision.remask, decision.replace)
+                                      decision.remask, decision.replace, written)
         if decision.logprobs is not None:
             self.keep_logprobs(item.view_start, decision.logprobs)
         self.refresh.record(item.is_refresh, changed, revised)
@@ -263,11 +292,15 @@ class Request:
         m.keeps += decision.keeps
         m.seeds_verified += decision.verified
         m.refreshes += int(item.is_refresh)
+
+    def end_step(self, decision: RowDecision, stop_rule: StopRule, masked: int) -> str | None:
+        """`finish_step`'s second half, given the [MASK]s left in the block (`masked`, counted
+        for the whole batch at once by `block_masked_counts`)."""
         if decision.stop:                    # the strategy ends the request now (mid-block)
             self.final_end = self.block[1]
             reason = self._check_stop(stop_rule)
             return reason or "stop"
-        if not self.strategy.block_done(self.state, self.block_masked()):
+        if not self.strategy.block_done(self.state, masked):
             return None
         return self._complete_block(stop_rule)
 
@@ -312,3 +345,19 @@ class Request:
     def generated(self) -> torch.Tensor:
         """[G] the generation slots as they stand."""
         return self.canvas[self.prompt_len:]
+
+
+def block_masked_counts(reqs: list[Request]) -> list[int]:
+    """Each request's `block_masked()`, with a fixed number of tensor ops for the batch: one
+    prefix sum over the canvases laid end to end, read at every block's two ends."""
+    if not reqs:
+        return []
+    ends, acc = [], 0
+    for req in reqs:
+        start, end = req.block
+        ends += [acc + start, acc + end]
+        acc += req.canvas_len
+    masked = torch.cat([req.canvas for req in reqs]) == reqs[0].mask_id
+    csum = torch.nn.functional.pad(torch.cumsum(masked, 0), (1, 0))
+    edges = csum[torch.tensor(ends, dtype=torch.long)].view(-1, 2)
+    return (edges[:, 1] - edges[:, 0]).tolist()

@@ -8,7 +8,9 @@ There is no global draft or verify phase: every running request has a next item.
 kv_cache="none", and whenever the request's `cache_refresh` policy asks (cache_refresh.py); other
 steps forward only the window the cache mode needs (Fast-dLLM):
 `prefix` = current block + suffix, `dual` = current block. Admission reserves pages for the whole
-canvas, so a running request never needs more and is never preempted.
+canvas, so a running request never needs more and is never preempted. An admitted request's
+canvas moves into its row of the persistent batch (scheduler/canvas_table.py) until it ends, and
+a step's window inputs are read from there for every item at once.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 from cover_vllm.config import EngineConfig
 from cover_vllm.scheduler.canvas_queue import CanvasQueue
 from cover_vllm.scheduler.canvas_request import CanvasRequest
+from cover_vllm.scheduler.canvas_table import CanvasTable
 from cover_vllm.scheduler.output import CanvasInput, SchedulerOutput, WorkItem
 from cover_vllm.scheduler.page_pool import PagePool
 from cover_vllm.scheduler.prefix_cache import page_keys
-from cover_vllm.scheduler.request import PageSet, Request, RequestStatus, abort_from
+from cover_vllm.scheduler.request import (PageSet, Request, RequestStatus, abort_from,
+                                          block_masked_counts)
 from cover_vllm.scheduler.score_queue import ScoreQueue
 from cover_vllm.step_plan import StepPlan
 
@@ -35,6 +39,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.table = CanvasTable(config.max_num_seqs)   # the running requests' canvases
         # likelihood scoring: admitted after the generation requests, packed beside them
         self.scoring = ScoreQueue(config, pool, prefix_caching)
         # uniform-state canvases (DiffusionGemma's requests; scheduler/canvas_queue.py)
@@ -53,21 +58,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def _admit(self) -> None:
-        page = self.config.page_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        admitted, copies = [], []                         # copies: (pages, canvas length)
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             req = self.waiting[0]
             pages = self._take_pages(req)
             if pages is None:
-                return                                    # FCFS: wait for pages to free up
+                break                                     # FCFS: wait for pages to free up
             self.waiting.popleft()
+            admitted.append(req)
             per = len(pages) // req.num_canvases
-            pos = torch.arange(req.canvas_len)
-            for c in range(req.num_canvases):
-                table = torch.tensor(pages[c * per:(c + 1) * per], dtype=torch.long)
-                req.pages.append(PageSet(pages[c * per:(c + 1) * per],
-                                         table[pos // page] * page + pos % page))
+            copies += [(pages[c * per:(c + 1) * per], req.canvas_len)
+                       for c in range(req.num_canvases)]
+        tables = iter(zip(copies, page_slots(copies, self.config.page_size)))
+        self.table.attach(admitted)
+        for req, masked in zip(admitted, block_masked_counts(admitted)):
+            for _ in range(req.num_canvases):
+                (pages, _), slots = next(tables)
+                req.pages.append(PageSet(pages, slots))
             req.status = RequestStatus.RUNNING
-            req.begin_block()
+            req.begin_block(masked)
             self.running.append(req)
 
     def _take_pages(self, req: Request) -> list[int] | None:
@@ -116,6 +125,7 @@ class Scheduler:
         for pageset in req.pages:
             self.pool.free(pageset.pages)
         req.pages = []
+        self.table.detach(req)
 
     # ---- one step --------------------------------------------------------------------------
     def admit(self) -> list[Request]:
@@ -130,9 +140,45 @@ class Scheduler:
         """One work item per request (from `admit`) and its strategy's plan, and the running
         scoring and canvas requests' items."""
         waiting = len(self.waiting) + len(self.scoring.waiting) + len(self.canvases.waiting)
-        return SchedulerOutput([self._work_item(r, p) for r, p in zip(requests, plans)],
-                               waiting, score_items=self.scoring.schedule(),
+        pending: list[tuple] = []          # windows read from the canvas table below
+        items = [self._work_item(r, p, pending) for r, p in zip(requests, plans)]
+        if pending:
+            self._gather_windows(pending)
+        return SchedulerOutput(items, waiting, score_items=self.scoring.schedule(),
                                canvas_items=self.canvases.schedule())
+
+    def _cond_input(self, req: Request, window: tuple[int, int], rel: list[int],
+                    pending: list) -> torch.Tensor | None:
+        """The cond canvas's window tokens with the seeds (window rows `rel`) masked; None when
+        they are read for the whole batch at once from the canvas table (`pending`)."""
+        if req.slot is not None:
+            pending.append((req.slot, *window, rel, req.mask_id))
+            return None
+        ids = req.canvas[window[0]:window[1]].clone()
+        if rel:
+            ids[rel] = req.mask_id
+        return ids
+
+    def _gather_windows(self, pending: list) -> None:
+        """Fill the pending items' cond input ids: one gather from the canvas table, one write
+        of every seed's [MASK], one split (the items' ids are views of one tensor)."""
+        ints = torch.tensor([(slot, start, end - start) for _, slot, start, end, _, _ in pending],
+                            dtype=torch.long)
+        slot, start, length = ints.t()
+        total = sum(end - start for _, _, start, end, _, _ in pending)
+        first = torch.cumsum(length, 0) - length
+        cols = torch.repeat_interleave(start - first, length, output_size=total) + \
+            torch.arange(total)
+        ids = self.table.tokens[torch.repeat_interleave(slot, length, output_size=total), cols]
+        seeds, offset = [], 0
+        for _, _, start, end, rel, _ in pending:
+            seeds += [offset + r for r in rel]
+            offset += end - start
+        if seeds:
+            ids[seeds] = pending[0][5]
+        for (item, _, start, end, _, _), piece in zip(
+                pending, ids.split([end - start for _, _, start, end, _, _ in pending])):
+            item.canvases[0].input_ids = piece
 
     def _window(self, req: Request, refresh: bool, view_start: int) -> tuple[int, int]:
         if refresh:
@@ -175,7 +221,7 @@ class Scheduler:
         keep = int((cum < share).sum()) + 1
         return out[order[:keep]]
 
-    def _block_causal_item(self, req: Request, plan: StepPlan) -> WorkItem:
+    def _block_causal_item(self, req: Request, plan: StepPlan, pending: list) -> WorkItem:
         """A block-causal request's step: the current block against the exact K/V of every
         earlier block, from the first position whose K/V are not final yet (so the prompt's
         full blocks are prefilled, and a finished block's K/V rewritten from its final tokens,
@@ -185,21 +231,23 @@ class Scheduler:
         start, end = req.block
         w_start = 0 if req.kv_cache == "none" else req.block_window_start
         view_start = max(plan.view_start, start)         # decoders run inside the block
-        copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
-        canvases = [CanvasInput(c[w_start:end].clone(), ps.key_slots[:end])
-                    for c, ps in zip(copies, req.pages)]
         seeds = [s for s in plan.seeds if start <= s < end]
-        if seeds:
-            canvases[0].input_ids[[s - w_start for s in seeds]] = req.mask_id
-        return WorkItem(req.request_id, w_start, canvases, view_start, end,
+        canvases = [CanvasInput(c[w_start:end].clone(), ps.key_slots[:end]) for c, ps in
+                    zip([req.uncond_canvas()] if req.num_canvases == 2 else [], req.pages[1:])]
+        ids = self._cond_input(req, (w_start, end), [s - w_start for s in seeds], pending)
+        canvases.insert(0, CanvasInput(ids, req.pages[0].key_slots[:end]))
+        item = WorkItem(req.request_id, w_start, canvases, view_start, end,
                         override=[(s, max(s - self.logit_shift, 0)) for s in seeds],
                         cfg_scale=plan.cfg_scale, want_stats=plan.want_stats,
                         extra=plan.extra, embed_edit=plan.embed_edit,
                         causal_block=req.causal_block)
+        if ids is None:
+            pending[-1] = (item, *pending[-1])
+        return item
 
-    def _work_item(self, req: Request, plan: StepPlan) -> WorkItem:
+    def _work_item(self, req: Request, plan: StepPlan, pending: list) -> WorkItem:
         if req.causal_block is not None:
-            return self._block_causal_item(req, plan)
+            return self._block_causal_item(req, plan, pending)
         start, end = req.block
         refresh = req.kv_cache == "none" or req.refresh.should_refresh(
             end - start, req.canvas_len - (end - start))
@@ -218,18 +266,45 @@ class Scheduler:
             w_start = int(positions[0])
             canvases = [CanvasInput(req.canvas[positions], req.pages[0].key_slots)]
             rel = torch.searchsorted(positions, torch.tensor(seeds, dtype=torch.long))
+            if seeds:                       # verified in the same forward: masked in the input
+                canvases[0].input_ids[rel] = req.mask_id
+            ids = canvases[0].input_ids
         else:
             w_start, w_end = self._window(req, refresh, view_start)
-            copies = [req.canvas] + ([req.uncond_canvas()] if req.num_canvases == 2 else [])
-            canvases = [CanvasInput(c[w_start:w_end].clone(), ps.key_slots)
-                        for c, ps in zip(copies, req.pages)]
-            rel = [s - w_start for s in seeds]
-        if seeds:                           # verified in the same forward: masked in the input
-            canvases[0].input_ids[rel] = req.mask_id
+            canvases = [CanvasInput(req.uncond_canvas()[w_start:w_end].clone(), ps.key_slots)
+                        for ps in req.pages[1:]]          # cfg's uncond copy
+            ids = self._cond_input(req, (w_start, w_end), [s - w_start for s in seeds], pending)
+            canvases.insert(0, CanvasInput(ids, req.pages[0].key_slots))
         override = [(s, max(s - self.logit_shift, 0)) for s in seeds]
-        return WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
+        item = WorkItem(req.request_id, w_start, canvases, view_start, end, override=override,
                         cfg_scale=plan.cfg_scale, is_refresh=refresh,
                         want_stats=plan.want_stats,
                         want_mass=req.kv_cache != "none" and req.refresh.policy.wants_mass,
                         extra=plan.extra, embed_edit=plan.embed_edit,
                         window_positions=positions)
+        if ids is None:
+            pending[-1] = (item, *pending[-1])
+        return item
+
+
+def page_slots(copies: list[tuple[list[int], int]], page: int) -> list[torch.Tensor]:
+    """The cache slot of every canvas position ([L] each) of canvas copies given as (their
+    pages, canvas length L): position p lives at pages[p // page] * page + p % page. One set
+    of tensor ops for every copy admitted in a step."""
+    if not copies:
+        return []
+    lengths = [length for _, length in copies]
+    first_page, acc = [], 0
+    for pages, _ in copies:
+        first_page.append(acc)
+        acc += len(pages)
+    starts, acc = [], 0
+    for length in lengths:
+        starts.append(acc)
+        acc += length
+    ints = torch.tensor(list(zip(starts, first_page, lengths)), dtype=torch.long)
+    start, first, length = ints.t()
+    pos = torch.arange(acc) - torch.repeat_interleave(start, length, output_size=acc)
+    index = pos // page + torch.repeat_interleave(first, length, output_size=acc)
+    table = torch.tensor([p for pages, _ in copies for p in pages], dtype=torch.long)
+    return list((table[index] * page + pos % page).split(lengths))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cover_vllm.sampling_params import MAX_LOGPROBS
+from cover_vllm.outputs import MAX_LOGPROBS
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

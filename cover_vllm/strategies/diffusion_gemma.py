@@ -49,6 +49,10 @@ NOT_APPLICABLE = {
     "block_length": "its canvas is the model's canvas_length",
     "kv_cache": "the encoder's K/V are exact and always reused",
     "cache_refresh": "the encoder's K/V never go stale",
+    **dict.fromkeys(("min_tokens", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"),
+                    "its sampler reads the model's own logits (the logits processors serve the "
+                    "masked decoders)"),
 }
 
 

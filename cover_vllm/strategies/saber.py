@@ -81,6 +81,13 @@ def _recall(batch: StepBatch, key: str, fill: float, initial: float | None = Non
 
     Slots new to the view read `fill`; a request with no memory yet reads `initial` everywhere.
     """
+    saved = [st.memory.get(key) for st in batch.states]
+    width = batch.tokens.shape[1]
+    if all(m is not None and m.numel() == width for m in saved):
+        return torch.stack(saved).to(torch.float32)       # every row remembered, same width
+    if all(m is None for m in saved):                     # a batch of first steps
+        return torch.full(batch.tokens.shape, fill if initial is None else initial,
+                          dtype=torch.float32)
     out = torch.full(batch.tokens.shape, fill, dtype=torch.float32)
     for i, st in enumerate(batch.states):
         saved = st.memory.get(key)
@@ -92,9 +99,11 @@ def _recall(batch: StepBatch, key: str, fill: float, initial: float | None = Non
 
 
 def _remember(batch: StepBatch, key: str, values: torch.Tensor) -> None:
-    """Keep `values` [n, W] (host) as each request's memory under `key`."""
-    for i, (st, w) in enumerate(zip(batch.states, batch.host.lengths)):
-        st.memory[key] = values[i, :w].clone()
+    """Keep `values` [n, W] (host, this step's own tensor) as each request's memory under
+    `key`: its row, sliced only where the request's view is narrower."""
+    width = values.shape[1]
+    for st, w, row in zip(batch.states, batch.host.lengths, values.unbind(0)):
+        st.memory[key] = row if w == width else row[:w].clone()
 
 
 def _thresholds(record: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@ xgrammar (not outlines-core) by measurement on this project's CPUs (docs/benchma
 against ~35 us, compiles a small JSON schema in ~1 ms against ~18 ms, rolls a matcher back
 natively, and compiles EBNF grammars (vLLM's `grammar=`), which outlines-core cannot.
 
-One TokenizerInfo and one caching GrammarCompiler per engine, built on the first structured
+One TokenizerInfo and one caching GrammarCompiler per engine (its cache of compiled grammars
+bounded by GRAMMAR_CACHE_BYTES: xgrammar's default is unbounded, a leak for a long-running
+server that sees many distinct schemas), built on the first structured
 request (importing transformers for the vocabulary takes a few seconds, so engines that never
 see one never pay it). The vocabulary is the model's (`vocab_size` rows of the LM head); special
 tokens other than the end-of-sequence ids, and [MASK], are blanked so no grammar allows them.
@@ -24,6 +26,7 @@ from cover_vllm.structured_output.completion import closing_candidates
 from cover_vllm.structured_output.constraint import GrammarState
 
 logger = init_logger(__name__)
+GRAMMAR_CACHE_BYTES = 64 << 20    # compiled grammars kept for reuse (xgrammar evicts past it)
 
 
 def _encoded_vocab(tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> list[bytes]:
@@ -73,7 +76,8 @@ class GrammarBackend:
             info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                      stop_token_ids=self.stop_ids)
             self.candidates = closing_candidates(vocab)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                 cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             logger.info("structured outputs: xgrammar over a %d-token vocabulary",
                         self.vocab_size)
         return self._compiler

@@ -1,7 +1,7 @@
 """ModelRunner: turns a SchedulerOutput into one batched paged forward and the views' logits.
 
 The flat token axis holds every canvas window (cond, then uncond for cfg) item by item, then the
-items' extra query rows (attention/base.py). Embedding edits are applied right after
+items' extra query rows (attention/base.py), laid out by worker/batch_layout.py. Embedding edits are applied right after
 `model.embed`; extra rows' logits come back raw, per item. Everything the forward returns stays
 on the model's device (the strategies decide there, engine/decide.py), except the attention mass
 the host's refresh policy reads: one small copy, in steps where an item asked for it.
@@ -10,45 +10,27 @@ the host's refresh policy reads: one small copy, in steps where an item asked fo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import torch
 
-from cover_vllm.attention import AttentionBackend, SeqLayout, build_metadata
+from cover_vllm.attention import AttentionBackend, build_metadata
 from cover_vllm.host_transfer import HostTransfer
-from cover_vllm.scheduler.output import CanvasInput, EmbedEdit, SchedulerOutput, WorkItem
+from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
+from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.kv_cache import KVCache
-from cover_vllm.worker.scoring import ScoreLayout, lay_out_scores, score_forward
-from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
-
-
-@dataclass
-class _Layout:
-    """The flat token axis of one forward: every canvas window, then every item's extra rows."""
-
-    seqs: list[SeqLayout] = field(default_factory=list)
-    ids: list[torch.Tensor] = field(default_factory=list)         # pieces of the [T] input ids
-    positions: list[torch.Tensor] = field(default_factory=list)   # pieces of the [T] positions
-    rows: list[torch.Tensor] = field(default_factory=list)        # per canvas: flat view rows
-    row_valid: list[torch.Tensor | None] = field(default_factory=list)   # per canvas [view_len]
-                                       # bool: view rows in a sparse window (None: all of them)
-    extra_rows: list[torch.Tensor | None] = field(default_factory=list)   # per item [E] or None
-    stat_rows: list[torch.Tensor] = field(default_factory=list)   # per canvas [window_len]
-                                       # bool: rows whose attention the stats layer sums
-    edits: list[tuple[torch.Tensor, EmbedEdit]] = field(default_factory=list)  # (flat idx, edit)
-    scores: ScoreLayout | None = None   # scoring sequences, after the generation windows
+from cover_vllm.worker.scoring import score_forward
+from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_flat
 
 
 class _Stats:
     """Collects attention in-mass (and, when a strategy reads it, key drift) on one layer during
     the forward (on the model's device, where the strategies read them)."""
 
-    def __init__(self, layer: int, rows: list[torch.Tensor], num_tokens: int | None,
+    def __init__(self, layer: int, rows: tuple[torch.Tensor, list[int]], num_tokens: int | None,
                  device: torch.device):
-        index, real = select_rows(rows)          # each sequence's still-masked view rows
+        index, real = select_flat(*rows)         # each sequence's still-masked view rows
         self.layer, self.any_rows = layer, bool(real.any())
         self.index, self.real = index.to(device), real.to(device)
         # [T] key drift; None when no item's strategy reads it (the refresh gate's mass only)
@@ -65,77 +47,6 @@ class ModelRunner:
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
 
-    def _layout(self, out: SchedulerOutput) -> _Layout:
-        lay = _Layout()
-        offset = 0
-        for item in out.items:
-            n, w0 = item.window_len, item.window_start
-            view = torch.arange(item.view_start, item.view_end)
-            pred, valid = self._predictor_rows(item, view)     # window-relative
-            for c, canvas in enumerate(item.canvases):
-                cond = c == 0
-                extra = (self._extra_allowed(item, canvas.key_slots.numel())
-                         if cond and item.extra is not None else None)
-                lay.seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if cond else [],
-                                          extra_allowed=extra, positions=item.window_positions,
-                                          causal_block=item.causal_block))
-                lay.ids.append(canvas.input_ids)
-                lay.positions.append(item.positions())
-                lay.rows.append(pred + offset)
-                lay.row_valid.append(valid)
-                if cond and item.embed_edit is not None:
-                    assert item.window_positions is None, "embed edits need a contiguous window"
-                    rel = item.embed_edit.positions - w0
-                    assert bool(((rel >= 0) & (rel < n)).all()), "embed edits outside the window"
-                    lay.edits.append((rel + offset, item.embed_edit))
-                measured = cond and (item.want_stats or item.want_mass)
-                lay.stat_rows.append(self._stat_rows(item, canvas) if measured
-                                     else torch.zeros(n, dtype=torch.bool))
-                offset += n
-        if out.score_items:                        # likelihood scoring (worker/scoring.py)
-            lay.scores, offset = lay_out_scores(out.score_items, lay.seqs, lay.ids,
-                                                lay.positions, offset)
-        for item in out.items:                     # extra rows follow every window (attention)
-            if item.extra is None:
-                lay.extra_rows.append(None)
-                continue
-            e = item.extra.num_rows
-            lay.ids.append(item.extra.input_ids)
-            lay.positions.append(item.extra.positions)
-            lay.extra_rows.append(torch.arange(offset, offset + e))
-            offset += e
-        return lay
-
-    @staticmethod
-    def _extra_allowed(item: WorkItem, num_keys: int) -> torch.Tensor:
-        """The extra rows' [E, K + E] allowed mask over the keys the window sees (a block-causal
-        item's keys end at its block: the columns past it are dropped)."""
-        allowed, e = item.extra.allowed, item.extra.num_rows
-        if allowed.shape[1] == num_keys + e:
-            return allowed
-        return torch.cat((allowed[:, :num_keys], allowed[:, -e:]), dim=1)
-
-    def _predictor_rows(self, item: WorkItem, view: torch.Tensor):
-        """Window rows whose logits predict the view positions [view_len], and which of them
-        are in the window (None: all, the contiguous case)."""
-        pred = (view - self.shift).clamp(min=0)
-        if item.window_positions is None:
-            return pred - item.window_start, None
-        wp = item.window_positions
-        idx = torch.searchsorted(wp, pred).clamp(max=wp.numel() - 1)
-        valid = wp[idx] == pred
-        return idx[valid], valid
-
-    def _stat_rows(self, item: WorkItem, canvas: CanvasInput) -> torch.Tensor:
-        """[window_len] bool: the still-masked view rows (not seeds), whose attention defines
-        downstream influence."""
-        pos = item.positions()
-        rows = (canvas.input_ids == self.model.spec.mask_token_id) & (pos >= item.view_start) \
-            & (pos < item.view_end)
-        if item.override:
-            rows &= ~torch.isin(pos, torch.tensor([s for s, _ in item.override]))
-        return rows
-
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Lay the batch out on the host, move it to the model's device once, run the forward
@@ -145,8 +56,9 @@ class ModelRunner:
         start = time.perf_counter()
         device = self.device
         copies, moved = self.transfer.copies, self.transfer.bytes
-        lay = self._layout(out)
-        ids = torch.cat(lay.ids).to(device)
+        lay = lay_out(out, self.shift)
+        host_ids = torch.cat(lay.ids)
+        ids = host_ids.to(device)
         positions = torch.cat(lay.positions).to(device)
         meta = build_metadata(lay.seqs, device)
         extra_rows = [r for r in lay.extra_rows if r is not None]
@@ -155,7 +67,9 @@ class ModelRunner:
         stats = None
         if any(item.want_stats or item.want_mass for item in out.items):
             drift = any(item.want_stats for item in out.items)
-            stats = _Stats(self.model.dims.num_layers - 1, lay.stat_rows,
+            rows = stat_rows(lay, host_ids, self.model.spec.mask_token_id)
+            stats = _Stats(self.model.dims.num_layers - 1,
+                           (rows, [s.window_len for s in lay.seqs[:len(lay.rows)]]),
                            ids.numel() if drift else None, device)
         embeds = self.model.embed(ids)
         if lay.edits:
@@ -215,7 +129,7 @@ class ModelRunner:
 
         return attn
 
-    def _full_views(self, logits: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, list[int]]:
+    def _full_views(self, logits: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, list[int]]:
         """Sparse windows compute logits only on their rows: lay every canvas's whole view back
         to back in one [sum view_len + extra rows, V] tensor, zero rows where a view position has
         no row, so the strategies read the views as slices of it (engine/decide.py stacks

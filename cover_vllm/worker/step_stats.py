@@ -25,16 +25,25 @@ def key_drift(k_new: torch.Tensor, k_old: torch.Tensor, eps: float = 1e-6) -> to
 
 def select_rows(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's [window_len] bool row mask (windows back to back on the flat token
-    axis) -> ([B, Rmax] flat token of each selected row, pad -> 0; [B, Rmax] bool, real row).
-    Built on the host, where the masks are, so the forward has no data-dependent shape."""
-    counts = [int(p.sum()) for p in pieces]
-    index = torch.zeros(len(pieces), max(counts + [1]), dtype=torch.long)
+    axis) -> ([B, Rmax] flat token of each selected row, pad -> 0; [B, Rmax] bool, real row)."""
+    return select_flat(torch.cat(pieces), [int(p.numel()) for p in pieces])
+
+
+def select_flat(rows: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_rows` of the masks laid end to end ([sum sizes] bool, `sizes` per sequence),
+    with a fixed number of tensor ops whatever the batch. Built on the host, where the masks
+    are, so the forward has no data-dependent shape."""
+    lengths = torch.tensor(sizes, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(sizes)), lengths, output_size=rows.numel())
+    flat = rows.nonzero().flatten()                                   # [R] selected tokens
+    owner = seq[flat]
+    counts = torch.bincount(owner, minlength=len(sizes))              # [B]
+    rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[owner]
+    width = max(int(counts.max()) if flat.numel() else 0, 1)
+    index = torch.zeros(len(sizes), width, dtype=torch.long)
     real = torch.zeros(index.shape, dtype=torch.bool)
-    offset = 0
-    for b, (piece, count) in enumerate(zip(pieces, counts)):
-        index[b, :count] = piece.nonzero().flatten() + offset
-        real[b, :count] = True
-        offset += piece.numel()
+    index[owner, rank] = flat
+    real[owner, rank] = True
     return index, real
 
 

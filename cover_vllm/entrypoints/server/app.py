@@ -4,11 +4,16 @@
 or with `data_parallel_size` > 1 a DPRouter over that many engine replicas (Ray actors), to
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics.
 Every refused request gets a 4xx with an OpenAI error body; nothing a client sends can stop the
-server. Request semantics live in serving.py, field rules in protocol.py.
+server. What does stop it is an engine that can never serve again (EngineClient.fatal: a dead
+tensor-parallel worker, or every data-parallel replica dead for good): a watchdog task logs why,
+records it in `app.state.fatal_error` and calls `app.state.on_fatal` (the launcher's: uvicorn
+shuts down and `cover-vllm serve` exits non-zero, so a supervisor restarts it). Request
+semantics live in serving.py, field rules in protocol.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -37,6 +42,7 @@ from cover_vllm.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20          # 1 MiB
+WATCHDOG_PERIOD_S = 0.5           # how often the watchdog asks the engine client if it is dead
 
 
 def _reject_constant(name: str) -> Any:
@@ -118,10 +124,17 @@ async def chat_completions(request: Request):
 
 
 async def health(request: Request) -> Response:
-    problem = _ctx(request).loop.health()
-    if problem is None:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+    """200 while requests can be served, else 503 with why. A data-parallel server stays 200
+    while one replica serves; the body then names the replicas that are down (degraded)."""
+    loop = _ctx(request).loop
+    problem = loop.health()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
+    counts = loop.replica_counts() if hasattr(loop, "replica_counts") else []
+    down = [c["index"] for c in counts if not c["alive"]]
+    if down:
+        return JSONResponse({"status": "degraded", "replicas_down": down})
+    return JSONResponse({"status": "ok"})
 
 
 async def metrics(request: Request) -> Response:
@@ -204,9 +217,11 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
+        watchdog = asyncio.get_running_loop().create_task(_watch_engine(app, loop))
         try:
             yield
         finally:
+            watchdog.cancel()
             loop.stop()
 
     app = FastAPI(title="cover_vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -217,6 +232,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
         seeds=random.Random(config.seed))
     app.state.metrics, app.state.api_key = stats, api_key
     app.state.max_body_bytes, app.state.engine_loop = max_body_bytes, loop
+    app.state.fatal_error, app.state.on_fatal = None, None
     _install_error_handlers(app)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", retrieve_model, methods=["GET"])
@@ -225,6 +241,20 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app
+
+
+async def _watch_engine(app: FastAPI, loop: EngineClient,
+                        period_s: float = WATCHDOG_PERIOD_S) -> None:
+    """Wait until `loop` can never serve again; then ask the launcher to shut the server down
+    (`app.state.on_fatal`). The dead engine has failed its requests already; the shutdown's
+    `loop.stop()` fails anything still open."""
+    while (reason := loop.fatal()) is None:
+        await asyncio.sleep(period_s)
+    logger.critical("the engine can no longer serve (%s); shutting the server down so that "
+                    "its supervisor restarts it", reason)
+    app.state.fatal_error = reason
+    if app.state.on_fatal is not None:
+        app.state.on_fatal(reason)
 
 
 def _server_tokenizer(path):

@@ -33,6 +33,10 @@ class EngineClient(Protocol):
     def health(self) -> str | None:
         """None while requests can be served, else why not."""
 
+    def fatal(self) -> str | None:
+        """Why this client can never serve again (its engine died, or every replica did and
+        none is coming back), else None. The server exits on it (app.py's watchdog)."""
+
     async def submit(self, submission: Submission) -> ResultStream:
         """Queue a request; raises ValueError / TypeError for bad input, EngineRequestError
         when no engine can take it."""

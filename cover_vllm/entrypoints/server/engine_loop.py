@@ -3,7 +3,8 @@
 
 The event loop submits requests and receives their RequestOutputs (or an EngineRequestError)
 on per-request asyncio queues (`RequestStream`); the driver's thread hands them over with
-`call_soon_threadsafe`.
+`call_soon_threadsafe`. A dead engine (a tensor-parallel worker died) or a dead driver thread is
+`fatal`: one engine cannot heal, so the server exits and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class EngineLoop:
         self.engine, self.metrics = engine, metrics
         self.driver = EngineDriver(engine, self)
         self._streams: dict[str, RequestStream] = {}
+        self._started = self._stopping = False
 
     @property
     def num_failed_steps(self) -> int:
@@ -58,12 +60,25 @@ class EngineLoop:
 
     def start(self) -> None:
         self.driver.start()
+        self._started = True
+        self.stepped()                     # the gauges (KV pages in the pool) from the start
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the driver (it fails what it holds); any stream still open then fails too."""
+        self._stopping = True
         self.driver.stop(timeout)
+        for stream in list(self._streams.values()):
+            stream.put(EngineRequestError("the server is shutting down"))
+        self._streams.clear()
 
     def health(self) -> str | None:
         """None while requests can be served, else why not."""
+        return self.driver.health()
+
+    def fatal(self) -> str | None:
+        """Why the engine can never serve again (it died, or its loop did), else None."""
+        if not self._started or self._stopping:
+            return None
         return self.driver.health()
 
     async def submit(self, submission: Submission) -> RequestStream:

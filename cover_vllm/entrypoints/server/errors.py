@@ -13,7 +13,9 @@ from typing import Callable
 from pydantic import ValidationError
 
 # Fields an engine or SamplingParams message may name, most specific first.
-_FIELDS = ("decoding_params", "stop_token_ids", "max_tokens", "block_length", "temperature",
+_FIELDS = ("chat_template_kwargs", "continue_final_message", "min_tokens", "min_p",
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+           "include_stop_str_in_output", "decoding_params", "stop_token_ids", "max_tokens", "block_length", "temperature",
            "top_p", "top_k", "steps", "seed", "stop", "decoding", "cache_refresh", "kv_cache",
            "ignore_eos", "top_logprobs", "logprobs",
            "prompt_token_ids", "prompt", "messages")

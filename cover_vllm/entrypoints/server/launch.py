@@ -4,7 +4,10 @@ in a background thread on a free loopback port, for tests and notebooks).
 Parallelism: `tensor_parallel_size` / `distributed_executor_backend` go into the EngineConfig;
 `data_parallel_size` > 1 serves that many whole engines (Ray actors) behind a DPRouter, on the
 Ray cluster at `ray_address` when given, else on a small local Ray instance (RAY_ADDRESS is
-honoured too)."""
+honoured too).
+
+A server whose engine can never serve again shuts itself down (app.py's watchdog):
+`cover-vllm serve` then exits with status 1, `ServerThread` stops serving (`fatal_error`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from cover_vllm.chat import load_chat_template
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server.app import MAX_BODY_BYTES, build_app
@@ -33,6 +37,7 @@ class ServeArgs:
     log_level: str = "info"
     data_parallel_size: int = 1
     ray_address: str | None = None
+    chat_template: str | None = None     # the template's text (chat.load_chat_template)
 
     @property
     def needs_ray(self) -> bool:
@@ -49,8 +54,11 @@ def make_app(args: ServeArgs):
             "ray_address is ignored: nothing uses Ray without data_parallel_size > 1 or "
             "distributed_executor_backend='ray'")
     source = args.engine if args.data_parallel_size > 1 else Engine(args.engine)
-    return build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
-                     data_parallel_size=args.data_parallel_size)
+    app = build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
+                    data_parallel_size=args.data_parallel_size)
+    if args.chat_template is not None:       # every chat request renders with it
+        app.state.ctx.chat_template = load_chat_template(args.chat_template)
+    return app
 
 
 def connect_ray(args: ServeArgs) -> bool:
@@ -67,14 +75,21 @@ def connect_ray(args: ServeArgs) -> bool:
 
 
 def run_server(args: ServeArgs) -> None:
-    """Serve until interrupted (Ctrl-C)."""
+    """Serve until interrupted (Ctrl-C), or until the engine can never serve again: then exit
+    with status 1 (SystemExit) so that a supervisor restarts the server."""
     import uvicorn
 
     joined = connect_ray(args)
     try:
         app = make_app(args)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level,
+                                               timeout_graceful_shutdown=5))
+        app.state.on_fatal = lambda reason: setattr(server, "should_exit", True)
+        server.run()
+        if app.state.fatal_error is not None:
+            raise SystemExit(f"cover-vllm serve: exiting because the engine died: "
+                             f"{app.state.fatal_error}")
     finally:
         if joined:
             import ray
@@ -103,6 +118,7 @@ class ServerThread:
         config = uvicorn.Config(self.app, log_level=logging.WARNING, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
+        self.app.state.on_fatal = lambda reason: setattr(self._server, "should_exit", True)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]}, daemon=True,
                                         name="cover-vllm-uvicorn")
@@ -120,6 +136,16 @@ class ServerThread:
     @property
     def engine_loop(self):
         return self.app.state.engine_loop
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the server shut itself down (its engine died), else None."""
+        return self.app.state.fatal_error
+
+    @property
+    def running(self) -> bool:
+        """uvicorn still serves (False once stopped, or shut down by a dead engine)."""
+        return self._thread.is_alive()
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         self._thread.start()

@@ -3,16 +3,20 @@
 Counters are bumped by the engine thread when a request finishes, fails or is aborted; gauges
 (running / waiting requests, KV pages) are snapshots it publishes after every step and command.
 NFE per token is derived at scrape time from the two counters, so it is the all-time ratio.
+The server process's own series (`process_resident_memory_bytes`, CPU seconds, open fds) come
+from prometheus_client's ProcessCollector (Linux).
 A data-parallel server adds per-replica series read from its router at scrape time:
-`cover_vllm_replica_requests_total{replica="i"}` (requests replica i finished) and
-`cover_vllm_replica_alive{replica="i"}`.
+`cover_vllm_replica_requests_total{replica="i"}` (requests replica i finished),
+`cover_vllm_replica_alive{replica="i"}` (0 while dead or restarting: the server is degraded) and
+`cover_vllm_replica_restarts_total{replica="i"}`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cover_vllm.outputs import RequestOutput
@@ -53,12 +57,16 @@ class _ReplicaCollector:
         served = CounterMetricFamily(PREFIX + "replica_requests", "Requests finished, by "
                                      "data-parallel replica", labels=["replica"])
         alive = GaugeMetricFamily(PREFIX + "replica_alive", "1 while the data-parallel replica "
-                                  "serves, 0 once it died", labels=["replica"])
+                                  "serves, 0 while it is dead or restarting", labels=["replica"])
+        restarts = CounterMetricFamily(PREFIX + "replica_restarts", "Restarts that brought a "
+                                       "dead data-parallel replica back", labels=["replica"])
         for c in self.counts():
             served.add_metric([str(c["index"])], c["served"])
             alive.add_metric([str(c["index"])], 1 if c["alive"] else 0)
+            restarts.add_metric([str(c["index"])], c.get("restarts", 0))
         yield served
         yield alive
+        yield restarts
 
 
 class ServerMetrics:
@@ -97,6 +105,7 @@ class ServerMetrics:
         self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         r.register(_RatioCollector(self))
+        ProcessCollector(registry=r)      # process_resident_memory_bytes, ... (Linux /proc)
 
     def watch_replicas(self, counts: Callable[[], list[dict[str, Any]]]) -> None:
         """Expose per-replica series from `counts` (DPRouter.replica_counts) at scrape time."""

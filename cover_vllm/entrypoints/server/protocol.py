@@ -1,8 +1,11 @@
 """Request bodies of /v1/completions and /v1/chat/completions (pydantic) and their SamplingParams.
 
 Models are strict (no "5" -> 5 coercion) and forbid unknown fields, so a typo such as `decodng`
-is a 400 instead of a silently ignored knob. OpenAI fields the engine cannot honour (penalties,
-best_of > 1, suffix) are accepted only at their neutral value. `echo` (with `logprobs`, the
+is a 400 instead of a silently ignored knob. OpenAI's penalties and vLLM's `repetition_penalty`,
+`min_p`, `min_tokens`, `skip_special_tokens` and `include_stop_str_in_output` map onto
+SamplingParams' fields of the same names (checked there); fields the engine cannot honour
+(best_of > 1, logit_bias, suffix) are accepted only at their neutral value, refused with the
+reason from the table SamplingParams uses (sampling_fields.REFUSED). `echo` (with `logprobs`, the
 prompt's per-token values: likelihood scoring, server/scoring.py) takes `max_tokens` 0. `n`,
 completions' `logprobs` and chat's `logprobs` + `top_logprobs` map onto SamplingParams.n / .logprobs;
 `return_token_ids` (vLLM's) adds the token ids to the response. OpenAI's `response_format` and
@@ -17,9 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from cover_vllm.cache_refresh import parse_cache_refresh
+from cover_vllm.chat import CHAT_ROLES, ChatTemplateOptions, content_text
 from cover_vllm.entrypoints.server.structured import (ResponseFormat, StructuredOutputsFields,
                                                       check_one_constraint, constraint,
                                                       constraint_field)
+from cover_vllm.sampling_fields import refusal
 from cover_vllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_n
 from cover_vllm.strategies import DECODERS
 
@@ -27,6 +32,8 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
+VLLM_SAMPLING_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
+                        "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
 
 
 class _Strict(BaseModel):
@@ -40,6 +47,14 @@ class StreamOptions(_Strict):
 def _neutral(value: Any, neutral: tuple, what: str) -> Any:
     if value not in neutral:
         raise ValueError(f"{what} is not supported by this server (got {value!r})")
+    return value
+
+
+def _refused(name: str, value: Any) -> Any:
+    """`value` when SamplingParams' table accepts it for `name`, else its refusal."""
+    message = refusal(name, value, owner="")
+    if message:
+        raise ValueError(message)
     return value
 
 
@@ -61,6 +76,12 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # vLLM's extra sampling fields (SamplingParams checks their ranges)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # diffusion extras (extra_body= in the openai client)
     decoding: str | None = None
     block_length: int | None = Field(None, ge=1)
@@ -90,15 +111,10 @@ class SamplingFields(_Strict):
             check_n(value)          # SamplingParams' own rule: 1 to MAX_N, with the reason
         return value
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _penalty(cls, value):
-        return _neutral(value, (None, 0, 0.0), "a non-zero penalty")
-
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value):
-        return _neutral(value or None, (None,), "logit_bias")
+        return _refused("logit_bias", value)
 
     @field_validator("cache_refresh")
     @classmethod
@@ -141,7 +157,13 @@ class SamplingFields(_Strict):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             decoding=self.decoding, decoding_params=self.decoding_params, kv_cache=self.kv_cache,
             cache_refresh=self.cache_refresh, n=self.n or 1, logprobs=self.num_logprobs(),
-            structured_outputs=constraint(self.response_format, self.structured_outputs))
+            structured_outputs=constraint(self.response_format, self.structured_outputs),
+            **self._vllm_fields())
+
+    def _vllm_fields(self) -> dict[str, Any]:
+        """The penalties and vLLM's extra fields that were sent (SamplingParams' defaults
+        stand for the others)."""
+        return {k: getattr(self, k) for k in VLLM_SAMPLING_FIELDS if getattr(self, k) is not None}
 
 
 def _check_logprobs(value: int | None, name: str) -> int | None:
@@ -196,7 +218,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, value):
-        return _neutral(value, (None, 1), "best_of > 1")
+        return _refused("best_of", value)
 
     @field_validator("logprobs")
     @classmethod
@@ -218,31 +240,15 @@ class CompletionRequest(SamplingFields):
         return model_default or DEFAULT_COMPLETION_TOKENS
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    if isinstance(content, list):
-        kinds = sorted({p.get("type") for p in content if isinstance(p, dict)} - {"text"}, key=str)
-        if kinds:
-            raise ValueError(f"content parts of type {kinds} are not supported: the models "
-                             "served here take text only (image inputs included: a "
-                             "DiffusionGemma checkpoint's vision tower is not loaded)")
-    raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
-
-
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[CHAT_ROLES]          # LLM.chat checks the same roles (cover_vllm/chat.py)
     content: Any
     name: str | None = None
 
     @field_validator("content")
     @classmethod
     def _content(cls, value):
-        return _content_text(value)
+        return content_text(value)
 
 
 class ChatRequest(SamplingFields):
@@ -251,6 +257,11 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # vLLM's chat-template extras (cover_vllm/chat.py ChatTemplateOptions; the template itself
+    # is the server's: `serve --chat-template`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -269,3 +280,9 @@ class ChatRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def template_options(self, chat_template: str | None) -> ChatTemplateOptions:
+        """How this request's messages become its prompt, under the server's template
+        (ValueError naming the field for a bad combination)."""
+        return ChatTemplateOptions(chat_template, self.add_generation_prompt,
+                                   self.continue_final_message, self.chat_template_kwargs)

@@ -46,6 +46,7 @@ class ServingContext:
     default_decoding: str
     created: int
     seeds: random.Random           # server-drawn seeds for requests that give none
+    chat_template: str | None = None   # `serve --chat-template` (None: the tokenizer's)
 
 
 def check_model(ctx: ServingContext, name: str | None) -> None:
@@ -72,7 +73,11 @@ def chat_prompt(ctx: ServingContext, req: ChatRequest) -> list[int]:
         raise APIError("this model has no tokenizer, so it has no chat template",
                        param="messages", code="no_chat_template")
     try:
-        return apply_chat_template(ctx.tokenizer, req.conversation())
+        options = req.template_options(ctx.chat_template)
+    except ValueError as exc:
+        raise from_value_error(exc, default_param="continue_final_message") from exc
+    try:
+        return apply_chat_template(ctx.tokenizer, req.conversation(), options)
     except Exception as exc:      # jinja errors, a template that refuses a role, ...
         raise APIError(f"the chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from exc
