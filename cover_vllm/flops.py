@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cover_vllm.models.base import ModelDims
+from cover_vllm.layers.base import ModelDims
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ forward reads them), against the 2048³ GEMM peak the bench divides by.
 
 Prints GFLOP/s and the share of the peak per case: at a small window (batch 1) the streamed rate
 is the ceiling of a step's MFU, whatever runs between the GEMMs. bf16 weights are prepacked for
-oneDNN as the engine's CPU workers pack them (models/layers.py, `FusedLinears.pack`).
+oneDNN as the engine's CPU workers pack them (layers/common.py, `FusedLinears.pack`).
 """
 
 from __future__ import annotations

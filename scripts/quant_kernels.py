@@ -22,9 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quant_format import QuantConfig, quantize_rows, rotation_block
-from cover_vllm.models.quant_kernels import Int4CpuKernel, Int8Kernel, TiledKernel
-from cover_vllm.models.w8a8_kernels import IntMMKernel, OnednnKernel
+from cover_vllm.layers.quantization.format import QuantConfig, quantize_rows, rotation_block
+from cover_vllm.layers.quantization.kernels import Int4CpuKernel, Int8Kernel, TiledKernel
+from cover_vllm.layers.quantization.w8a8_kernels import IntMMKernel, OnednnKernel
 
 SHAPES = {"qkv": (12288, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "head": (126464, 4096)}

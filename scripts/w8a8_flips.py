@@ -26,9 +26,9 @@ import torch
 
 from cover_vllm import LLM
 from cover_vllm.eval import evaluate_one, lost_gained, problems, sign_test
-from cover_vllm.models import quant_format
-from cover_vllm.models.layers import projection_groups
-from cover_vllm.models.quant_format import QuantConfig
+from cover_vllm.layers.common import projection_groups
+from cover_vllm.layers.quantization import format as quant_format
+from cover_vllm.layers.quantization.format import QuantConfig
 from cover_vllm.strategies import strategy_class
 from cover_vllm.tasks import get_task
 from cover_vllm.worker import worker

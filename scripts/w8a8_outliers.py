@@ -14,8 +14,8 @@ recorded from the fp32 model (FusedLinears calls), and for each projection:
 * channel outliers: the largest channel's max |x| over the median channel's;
 * relative output error ||y - y_fp32|| / ||y_fp32|| of int8 weights alone (weight-only), of
   int8 weights x per-row int8 activations (W8A8 without the input rotation) and of W8A8 as
-  shipped (input and weight columns rotated first, quant_format.rotate_columns), on the same
-  inputs.
+  shipped (input and weight columns rotated first, layers/quantization/format.py
+  `rotate_columns`), on the same inputs.
 
 Then the logits against fp32 (max / mean |d|, argmax agreement on the real positions) for
 int8, w8a8, w8a8 without the rotation, and (unrotated) w8a8 with one kind of projection (qkv,
@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from cover_vllm.models.layers import FusedLinears, projection_groups
+from cover_vllm.layers.common import FusedLinears, projection_groups
+from cover_vllm.layers.quantization.format import (QuantConfig, quantize_rows, rotate_columns,
+                                                   rotation_block)
+from cover_vllm.layers.quantization.w8a8_kernels import reference
 from cover_vllm.models.loader import load_model
-from cover_vllm.models.quant_format import (QuantConfig, quantize_rows, rotate_columns,
-                                            rotation_block)
 from cover_vllm.models.quantization import load_quantized_model
-from cover_vllm.models.w8a8_kernels import reference
 
 GOLDEN = "/work/shared/golden"
 

@@ -148,7 +148,7 @@ def test_bf16_cover_tiny_keeps_fp32_tokens():
 def test_packed_bf16_weights_give_the_same_bits_and_replace_the_plain_ones(family):
     """An engine's CPU bf16 worker packs every projection group for oneDNN
     (`pack_projections`): the logits are bit-identical and the plain weights are freed."""
-    from cover_vllm.models.layers import pack_projections, projection_groups
+    from cover_vllm.layers.common import pack_projections, projection_groups
 
     golden = load_file(str(GOLDEN / family / "forward.safetensors"))
     model = load_model(GOLDEN / family / "model", "bfloat16")

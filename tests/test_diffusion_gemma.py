@@ -208,8 +208,8 @@ def test_w8a8_keeps_the_stacked_experts_weight_only_int8(model, golden):
     (int8: 0.676 / 0.107 / 93.8 %; w8a8 without the input rotation: 10.00 / 0.383 / 85.4 %).
     The activation codes move the router's top-2 choice on a few rows, and a flipped expert
     moves a whole row's logits; bounded just above."""
-    from cover_vllm.models.layers import projection_groups
-    from cover_vllm.models.w8a8_kernels import IntMMKernel, OnednnKernel
+    from cover_vllm.layers.common import projection_groups
+    from cover_vllm.layers.quantization.w8a8_kernels import IntMMKernel, OnednnKernel
 
     call = golden_calls(golden)["logits_long"]
     quant = load_quantized_model(DIR / "model", "w8a8")

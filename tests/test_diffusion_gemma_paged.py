@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel, param_slices
+from cover_vllm.layers.common import pack_projections
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.diffusion_gemma_paged import DecodeBatch, EncodeBatch, KVTable
 from cover_vllm.models.gemma4_config import FULL, SLIDING
-from cover_vllm.models.layers import pack_projections
 from cover_vllm.models.loader import build_model, load_model, materialize, weight_source
 from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
@@ -261,7 +261,7 @@ def test_tensor_parallel_w8a8_equals_tp1_and_the_plan_counts_each_rank(golden):
     partial sums (measured 6.7e-6); the memory plan's bytes per rank are what a rank holds
     (oneDNN's blocks of its shard, whole per-channel scales of row-split weights, the copied
     kv head), exactly."""
-    from cover_vllm.models.layers import projection_groups
+    from cover_vllm.layers.common import projection_groups
     from cover_vllm.worker.memory import weight_bytes
 
     whole, want, ranks, got = _tp2_and_tp1(golden_calls(golden)["logits_long"], "w8a8")

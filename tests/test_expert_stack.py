@@ -1,4 +1,4 @@
-"""Stacked SwiGLU experts (cover_vllm/models/expert_stack.py, issue #42): the grouped path of
+"""Stacked SwiGLU experts (cover_vllm/layers/expert_stack.py, issue #42): the grouped path of
 LLaDA-MoE's and LLaDA2.x's sparse blocks equals their per-expert loop, and the stack is built
 (experts re-pointed at its slices) off the CPU only."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cover_vllm.layers.common import fuse_projections
+from cover_vllm.layers.expert_stack import ExpertStack, uses_stack
 from cover_vllm.models.configs import LLADA2_MINI
-from cover_vllm.models.expert_stack import ExpertStack, uses_stack
-from cover_vllm.models.layers import fuse_projections
 from cover_vllm.models.llada2 import LLaDA2SparseMoE
 from cover_vllm.models.llada_moe import SparseMoE
 

@@ -142,7 +142,7 @@ def llada2_short(tmp_path_factory) -> str:
 def test_every_family_forward_is_free_of_data_dependent_ops(model, decoding, quantization,
                                                            request):
     """The sparse MoE blocks (LLaDA-MoE, LLaDA2.x) run their stacked experts as grouped GEMMs
-    off the CPU (models/expert_stack.py)."""
+    off the CPU (layers/expert_stack.py)."""
     if model == "llada2":
         model = request.getfixturevalue("llada2_short")
     llm = _meta_llm(model, quantization=quantization)

@@ -303,7 +303,7 @@ def test_fused_projections_equal_separate_ones_and_never_go_stale(family):
     """Loading fuses q/k/v and gate/up into one GEMM each (their weights become views of one
     tensor); the logits equal the unfused layers', and a weight re-allocated behind the fused
     tensor's back (as `model.to(...)` does) makes the group fall back to separate GEMMs."""
-    from cover_vllm.models.layers import FusedLinears
+    from cover_vllm.layers.common import FusedLinears
 
     golden = Path(__file__).parent / "fixtures" / "golden" / family / "model"
     model = load_model(golden)

@@ -1,4 +1,4 @@
-"""Tensor-parallel plans declared by the modules (models/base.py `ParallelPlan`), collected by
+"""Tensor-parallel plans declared by the modules (layers/base.py `ParallelPlan`), collected by
 distributed/tensor_parallel.py without looking at types: a fused column Linear split piece by
 piece (LLaDA2's query_key_value), read from a checkpoint range by range (`Slice.pieces`), and a
 2-rank forward simulated in one process (row-parallel partial outputs summed by the test)."""
@@ -15,10 +15,11 @@ from torch import nn
 
 from cover_vllm.distributed.tensor_parallel import (TensorParallel, check_tensor_parallel,
                                                     collect_plan, param_slices)
-from cover_vllm.models.base import ParallelPlan
-from cover_vllm.models.layers import FusedLinears, projection_groups
+from cover_vllm.layers.base import ParallelPlan
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.common import FusedLinears, projection_groups
 from cover_vllm.models.loader import build_model, load_into, materialize
-from cover_vllm.models.safetensors_io import Slice, read_header, read_tensor_into
+from cover_vllm.models.safetensors_io import read_header, read_tensor_into
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.weights import CheckpointWeights, DummyWeights
 from golden_cases import GOLDEN

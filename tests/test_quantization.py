@@ -11,18 +11,18 @@ from safetensors.torch import load_file
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.distributed.tensor_parallel import TensorParallel, param_slices
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.quantization.format import (QuantConfig, dequantize, linear_buffers,
+                                                   pack_nibbles, parse_quantization, quantize_rows,
+                                                   unpack_nibbles)
+from cover_vllm.layers.quantization.kernels import (DequantKernel, Int4CpuKernel, Int8Kernel,
+                                                    TiledKernel, make_kernel, pack_int4_cpu)
 from cover_vllm.models import quantization
+from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.checkpoint_writer import CheckpointSpec, write_checkpoint
 from cover_vllm.models.loader import build_model, load_model, materialize, weight_source
-from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buffers,
-                                            pack_nibbles, parse_quantization, quantize_rows,
-                                            unpack_nibbles)
-from cover_vllm.models.quant_kernels import (DequantKernel, Int4CpuKernel, Int8Kernel,
-                                             TiledKernel, make_kernel, pack_int4_cpu)
-from cover_vllm.models.quantization import (load_quantized, load_quantized_model,
-                                            quantize_model, quantized_linears)
-from cover_vllm.models.builtin import resolve_model
-from cover_vllm.models.safetensors_io import Slice
+from cover_vllm.models.quantization import (load_quantized, load_quantized_model, quantize_model,
+                                            quantized_linears)
 from cover_vllm.models.spec import ModelSpec
 from golden_cases import GOLDEN
 

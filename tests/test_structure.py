@@ -20,6 +20,8 @@ LAYERS = [
                     "cover_vllm.step_plan", "cover_vllm.host_transfer",
                     "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args",
                     "cover_vllm.scoring"]),
+    # the shared blocks and kernels a family is composed of; they never import a family
+    ("layers", ["cover_vllm.layers"]),
     ("model", ["cover_vllm.models", "cover_vllm.attention", "cover_vllm.flops",
                "cover_vllm.scoring.reference"]),
     # SamplingParams checks a request's decoder and its knobs against the strategy registry

@@ -13,18 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from cover_vllm import LLM, SamplingParams
-from cover_vllm.models import w8a8_kernels
+from cover_vllm.layers.common import projection_groups
+from cover_vllm.layers.quantization import w8a8_kernels
+from cover_vllm.layers.quantization.format import (ROTATION_BLOCK, QuantConfig,
+                                                   dequantize_embedding, parse_quantization,
+                                                   quantize_activations, quantize_embedding_rows,
+                                                   quantize_rows)
+from cover_vllm.layers.quantization.w8a8_kernels import (IntMMKernel, OnednnKernel, ReferenceKernel,
+                                                         RowParallel, make_w8a8_kernel,
+                                                         onednn_layout, onednn_problem, reference)
 from cover_vllm.models.builtin import resolve_model
-from cover_vllm.models.layers import projection_groups
 from cover_vllm.models.loader import build_model, load_model
-from cover_vllm.models.quant_format import (ROTATION_BLOCK, QuantConfig, dequantize_embedding,
-                                            parse_quantization, quantize_activations,
-                                            quantize_embedding_rows, quantize_rows)
 from cover_vllm.models.quantization import load_quantized_model, quantize_model
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.models.w8a8_kernels import (IntMMKernel, OnednnKernel, ReferenceKernel,
-                                            RowParallel, make_w8a8_kernel, onednn_layout,
-                                            onednn_problem, reference)
 from cover_vllm.worker.memory import weight_bytes
 from test_quantization import cover_tiny_task_rows, golden_logits
 

@@ -1,7 +1,7 @@
-"""W8A8's input rotation (issue 35, quant_format.rotate_columns / rotate_input): the block
-rule that keeps TP splits whole, R orthogonal and the product unchanged, every kernel with a
-rotation equal to the exact integer product of the rotated input, bf16's rotation within its
-rounding, the default and the opt-out, and a TP split through a block refused."""
+"""W8A8's input rotation (issue 35, layers/quantization/format.py rotate_columns /
+rotate_input): the block rule that keeps TP splits whole, R orthogonal and the product
+unchanged, every kernel with a rotation equal to the exact integer product of the rotated input,
+bf16's rotation within its rounding, the default and the opt-out, and a TP split through a block refused."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cover_vllm.layers.quantization import format as quant_format
+from cover_vllm.layers.quantization.format import (QuantConfig, quantize_activations,
+                                                   rotate_columns, rotate_input, rotation_block,
+                                                   rotation_matrix)
+from cover_vllm.layers.quantization.w8a8_kernels import reference
 from cover_vllm.models.builtin import resolve_model
-from cover_vllm.models import quant_format
 from cover_vllm.models.loader import build_model
-from cover_vllm.models.quant_format import (QuantConfig, quantize_activations, rotate_columns,
-                                            rotate_input, rotation_block, rotation_matrix)
 from cover_vllm.models.quantization import quantize_model
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.models.w8a8_kernels import reference
 from test_w8a8 import KERNELS, _kernel, _weights
 
 
@@ -113,8 +114,8 @@ def test_rotation_is_w8a8s_default_and_configurable():
 def test_a_tp_split_through_a_rotation_block_is_refused():
     """A rank whose input columns start inside a block cannot rotate them as TP=1 does:
     refused when its weight is checked, on the meta device already (before any read)."""
+    from cover_vllm.layers.base import Slice
     from cover_vllm.models.quantization import _load_linear
-    from cover_vllm.models.safetensors_io import Slice
 
     spec = ModelSpec.from_config(resolve_model("cover-tiny").config)
     model = build_model(spec, torch.float32, "meta")

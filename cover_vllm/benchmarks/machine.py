@@ -16,9 +16,9 @@ import time
 import torch
 
 from cover_vllm.flops import FlopModel
+from cover_vllm.layers.base import ModelDims
+from cover_vllm.layers.quantization.format import QuantConfig
 from cover_vllm.logger import init_logger
-from cover_vllm.models.base import ModelDims
-from cover_vllm.models.quant_format import QuantConfig
 
 logger = init_logger(__name__)
 
@@ -63,8 +63,8 @@ def measure_int8_gops(size: int | None = None, seconds: float = 0.5,
                       device: str | torch.device = "cpu") -> float | None:
     """Sustained rate (GOP/s, 2 per multiply-accumulate) of W8A8's int8 GEMM, size³, codes
     already quantized: the MFU denominator of W8A8 rows. On the CPU oneDNN's kernel
-    (models/w8a8_kernels.py `OnednnKernel.matmul_codes`; None where it is unusable), on CUDA
-    `torch._int_mm` (the `IntMMKernel` the engine runs there)."""
+    (layers/quantization/w8a8_kernels.py `OnednnKernel.matmul_codes`; None where it is unusable),
+    on CUDA `torch._int_mm` (the `IntMMKernel` the engine runs there)."""
     device = probe_device(device)
     size = size or gemm_size(device)
     if device.type == "cuda":
@@ -73,7 +73,7 @@ def measure_int8_gops(size: int | None = None, seconds: float = 0.5,
             b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
             return 2 * size ** 3 / _best_seconds(lambda: torch._int_mm(a, b), seconds,
                                                  device) / 1e9
-    from cover_vllm.models.w8a8_kernels import OnednnKernel, onednn_problem
+    from cover_vllm.layers.quantization.w8a8_kernels import OnednnKernel, onednn_problem
 
     if onednn_problem() is not None:
         return None
@@ -155,7 +155,7 @@ def forward_weight_bytes(model: FlopModel, dtype: torch.dtype,
                          quantization: QuantConfig | None = None) -> float:
     """Bytes of weights one forward reads: every matrix a token multiplies through and the LM
     head (the embedding table is only gathered from), as stored: `quantization`'s codes and
-    scales (models/quant_format.py) for the quantized projections."""
+    scales (layers/quantization/format.py) for the quantized projections."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     body = head = float(itemsize)
     if quantization is not None:

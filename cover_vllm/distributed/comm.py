@@ -70,7 +70,7 @@ class GroupComm:
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place elementwise max over the ranks; returns `tensor` (W8A8's row-parallel
-        activation scales: models/w8a8_kernels.py)."""
+        activation scales: layers/quantization/w8a8_kernels.py)."""
         if self.world_size == 1:
             return tensor
         if self._pg is None:

@@ -2,7 +2,7 @@
 
 Megatron-style split over `world_size` ranks, rank r keeping a contiguous 1/N of each split
 dimension. Which Linear is split which way is declared by the modules themselves: every module
-that owns Linear layers may define `parallel_plan() -> ParallelPlan` (models/base.py) naming its
+that owns Linear layers may define `parallel_plan() -> ParallelPlan` (layers/base.py) naming its
 own Linear attributes; `collect_plan` walks `model.modules()` and gathers them, so this file
 knows no model family and tests no module type. A module without a plan is replicated whole.
 
@@ -17,7 +17,7 @@ knows no model family and tests no module type. A module without a plan is repli
   elsewhere) so the sum adds it once. Such a Linear gets `reduce_input_amax` (a max
   all-reduce) and `reduce_output` (the sum): a W8A8 kernel quantizes its input slice with the
   whole row's scale and sums the ranks' integer sums itself (then `output_reduced` tells the
-  hook to skip): models/w8a8_kernels.py.
+  hook to skip): layers/quantization/w8a8_kernels.py.
 * `row_unreduced`: row-parallel without the all-reduce; a parent declaring `reduce_output`
   sums once at its own output instead (a sparse MoE block: the router is replicated, so every
   rank routes identically, and its experts' partial outputs are reduced once, not per expert).
@@ -52,9 +52,9 @@ import torch
 from torch import nn
 
 from cover_vllm.distributed.comm import GroupComm
-from cover_vllm.models.base import ModelDims, ParallelPlan
-from cover_vllm.models.layers import fuse_projections
-from cover_vllm.models.safetensors_io import Slice
+from cover_vllm.layers.base import ModelDims, ParallelPlan
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.common import fuse_projections
 
 if TYPE_CHECKING:
     from cover_vllm.step_plan import ModelRunnerOutput
@@ -147,7 +147,7 @@ def collect_plan(model: nn.Module) -> TPPlan:
             plan.splits.append(split)
         for attr, (dim, pieces) in declared.param_splits.items():
             param = getattr(module, attr, None)
-            # quantized (models/stacked_experts.py): the weight is its codes' buffers now, and
+            # quantized (layers/stacked_experts.py): the weight is its codes' buffers now, and
             # the declared pieces still say how it was split (a memory plan's param_slices)
             quantized = param is None and getattr(module, "quant_config", None) is not None
             if not quantized and (not isinstance(param, nn.Parameter)

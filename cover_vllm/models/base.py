@@ -7,28 +7,13 @@ backend (cover_vllm.attention) for batched, cached steps. The same weights and l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from cover_vllm.layers.base import AttentionFn, ModelDims
 from cover_vllm.models.spec import ModelSpec
-
-# (layer index, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> o [T, H, d]; q and k already rotated.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Sizes the engine needs for KV pages and FLOP counts."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
 
 
 def hf_dims(cfg: dict) -> ModelDims:
@@ -39,33 +24,6 @@ def hf_dims(cfg: dict) -> ModelDims:
                      num_kv_heads=cfg.get("num_key_value_heads") or heads,
                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                      hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"])
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    """How tensor parallelism splits one module's own Linear layers, declared by the module in
-    `parallel_plan()` (distributed/tensor_parallel.py collects them; it never looks at types).
-    Names are attributes of the declaring module."""
-
-    column: tuple[str, ...] = ()          # output rows sliced: rank r keeps its 1/N of the rows
-    row: tuple[str, ...] = ()             # input columns sliced; partial outputs all-reduced
-    row_unreduced: tuple[str, ...] = ()   # input columns sliced; a parent reduces the sum
-                                          # (a sparse MoE's experts)
-    column_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # a fused column Linear whose rows are pieces side by side (LLaDA2's query_key_value: q, k,
-    # v rows): rank r keeps its 1/N of every piece, so each keeps its own heads of q, k and v
-    reduce_output: bool = False           # all-reduce the module's output (a sparse MoE block)
-    local_dims: bool = False              # the module's `.dims` become the rank's head counts
-    heads: dict[str, int] = field(default_factory=dict)
-    # column Linears holding this many (query) heads side by side: the ranks must split them
-    # into whole heads
-    kv_heads: dict[str, int] = field(default_factory=dict)
-    # column Linears holding this many kv heads: split into whole heads when the ranks divide
-    # them; with fewer heads than ranks (a divisor of the ranks) each rank keeps a copy of the
-    # one head its query heads read (a replicated kv head: DiffusionGemma's single one at TP=2)
-    param_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
-    # the module's own parameters (not Linears), name -> (dim, pieces): rank r keeps its 1/N of
-    # every piece along `dim` (stacked MoE experts [E, 2M, H] / [E, H, M] split like an MLP)
 
 
 class DiffusionLM(Protocol):

@@ -1,7 +1,7 @@
 """DiffusionGemma (google/diffusiongemma-26B-A4B-it): a clean-room implementation with official
 names (model_type `diffusion_gemma`, class `DiffusionGemmaForBlockDiffusion`), text only.
 
-Uniform-state block diffusion on a Gemma 4 backbone (gemma4_layers.py). A **causal encoder**
+Uniform-state block diffusion on a Gemma 4 backbone (layers/gemma4.py). A **causal encoder**
 runs the prompt (and every finished canvas) through the layers and keeps only their K/V; a
 **bidirectional decoder** runs a canvas of `canvas_length` tokens through the same layers (same
 weights, its own `layer_scalar`s) against that K/V and returns the canvas logits. The decoder's
@@ -30,13 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import ModelDims
+from cover_vllm.layers.base import ModelDims
+from cover_vllm.layers.gemma4 import GeGLU, GemmaRMSNorm, GemmaRope, Gemma4Layer
 from cover_vllm.models.diffusion_gemma_paged import (DecodeBatch, DenseDecoderAttention,
                                                      DenseEncoderAttention, EncodeBatch, PagedKV,
-                                                     PagedDecoderAttention,
-                                                     PagedEncoderAttention)
+                                                     PagedDecoderAttention, PagedEncoderAttention)
 from cover_vllm.models.gemma4_config import SLIDING, check_config, layer_shapes
-from cover_vllm.models.gemma4_layers import GeGLU, GemmaRMSNorm, GemmaRope, Gemma4Layer
 from cover_vllm.models.spec import ModelSpec
 
 

@@ -15,12 +15,12 @@ per-layer shapes; `per_layer_config` wins when both are present.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from cover_vllm.layers.gemma4_shape import FULL, SLIDING, LayerShape
 
 Config = dict[str, Any]
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_GLOBAL_HEAD_DIM = 512          # the configuration class's default (README)
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "rope_theta": 1_000_000.0,
@@ -45,23 +45,6 @@ def flatten_config(config: Config) -> Config:
     if "canvas_length" in flat:
         flat.setdefault("default_block_length", flat["canvas_length"])
     return flat
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One layer's attention: sliding-window or full, query / kv heads, head size, RoPE."""
-
-    sliding: bool
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rotated_pairs: int      # rotate-half frequency slots that turn (the rest pass through)
-    k_eq_v: bool            # no v_proj: values are the normed raw key projection
-
-    @property
-    def kind(self) -> str:
-        return SLIDING if self.sliding else FULL
 
 
 def layer_types(cfg: Config) -> list[str]:

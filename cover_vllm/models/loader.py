@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from cover_vllm.config import LOAD_FORMATS
-from cover_vllm.models.layers import fuse_projections
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.common import fuse_projections
 from cover_vllm.models.registry import family_named
-from cover_vllm.models.safetensors_io import Slice
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.models.weights import CheckpointWeights, DummyWeights, WeightSource
 

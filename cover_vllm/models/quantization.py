@@ -1,6 +1,7 @@
 """Quantization (`quantization="int8" | "int4" | "int4:G" | "w8a8"`): which layers are
 quantized, turning a model's projections into quantized ones, and loading them from a bf16/fp32
-checkpoint (the format's math: quant_format.py; the matmuls: quant_kernels.py, w8a8_kernels.py).
+checkpoint (the format's math: layers/quantization/format.py; the matmuls: kernels.py,
+w8a8_kernels.py there).
 
 Formats (all computed at load, in fp32, from the tensor the unquantized model would have held):
 * int8: symmetric per output channel: w ~ q * s, q int8 in [-127, 127], s = max|w_row| / 127.
@@ -9,21 +10,21 @@ Formats (all computed at load, in fp32, from the tensor the unquantized model wo
   w ~ (q - 8) * scale + zero, q in [0, 15], zero = min + 8 * scale.
 * w8a8: int8's weights, and every projection's input quantized per row at run time (int8
   arithmetic, w8a8_kernels.py). Both are first rotated along the input columns by the same
-  orthogonal block-Hadamard matrix (quant_format.rotate_columns; the weight once at load,
+  orthogonal block-Hadamard matrix (format.rotate_columns; the weight once at load,
   before its codes; the input on every call), which spreads the activations' outlier
   channels so that one int8 scale a row fits (`QuantConfig(rotation=False)` turns it off).
   Its input embedding table takes 12 bits a value too (int8
-  rows + a 4-bit residual, quant_format.quantize_embedding_rows; a row looked up is
+  rows + a 4-bit residual, format.quantize_embedding_rows; a row looked up is
   dequantized): at LLaDA-8B's shape the bf16 table (0.96 GiB) kept the model's peak at
   0.553 x bf16's, over the 0.55 bound, and int8 rows alone cost accuracy
   (docs/benchmarks.md "W8A8").
 Scales and zeros are stored in the model dtype (the kernels take them in the activations'
 dtype); codes are rounded against the stored, already-rounded scale and zero.
 
-Which layers: every nn.Linear in a `FusedLinears` group (models/layers.py): attention q/k/v/o,
+Which layers: every nn.Linear in a `FusedLinears` group (layers/common.py): attention q/k/v/o,
 MLP gate/up/down, every MoE expert and the LM head, i.e. every matrix a token streams through;
 and every module that quantizes its own non-Linear weights (stacked MoE experts,
-models/stacked_experts.py: hooks `check_stacked`, `quantize_stacked`, `stacked_tensors`,
+layers/stacked_experts.py: hooks `check_stacked`, `quantize_stacked`, `stacked_tensors`,
 `load_stacked`, `pack_stacked`). "int4" without a G takes the family's group when its registry
 entry declares one (`int4_group`: DiffusionGemma's widths are multiples of 64, not 128).
 Under w8a8 stacked experts stay weight-only int8 (`_stacked_config`: no W8A8 kernel per expert,
@@ -54,16 +55,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from cover_vllm.models.layers import FusedLinears, projection_groups
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.common import FusedLinears, projection_groups
+from cover_vllm.layers.quantization.format import (QuantConfig, embedding_lookup, embedding_storage,
+                                                   is_quantized, linear_buffers, parse_quantization,
+                                                   quantize_embedding_rows, quantize_rows,
+                                                   reference_linear, rotate_columns, rotation_block)
+from cover_vllm.layers.quantization.kernels import QuantizedGroup
+from cover_vllm.layers.quantization.w8a8_kernels import onednn_layout, resident_bytes
 from cover_vllm.models.loader import load_into
-from cover_vllm.models.quant_format import (QuantConfig, embedding_lookup, embedding_storage,
-                                            is_quantized, linear_buffers, parse_quantization,
-                                            quantize_embedding_rows, quantize_rows,
-                                            reference_linear, rotate_columns, rotation_block)
-from cover_vllm.models.quant_kernels import QuantizedGroup
 from cover_vllm.models.registry import family_named
-from cover_vllm.models.safetensors_io import Slice
-from cover_vllm.models.w8a8_kernels import onednn_layout, resident_bytes
 
 __all__ = ["QuantConfig", "parse_quantization", "quantize_model", "load_quantized",
            "check_quantization", "quantized_tensors", "kernel_extra_bytes", "reference_linear"]
@@ -350,8 +351,8 @@ def load_quantized_model(model_dir, quantization: QuantConfig | str | None,
                          seed: int = 0, pack: bool = True) -> nn.Module:
     """`loader.load_model` with quantized projections: the dense oracle (`model(input_ids)`)
     of what the engine runs; `pack=False` keeps the slow reference path."""
+    from cover_vllm.layers.common import pack_projections
     from cover_vllm.models.builtin import resolve_model
-    from cover_vllm.models.layers import pack_projections
     from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
     from cover_vllm.models.spec import ModelSpec
 

@@ -95,7 +95,7 @@ class Family:
     ignored_tensors: tuple[str, ...] = ()  # checkpoint tensor-name patterns (fnmatch) never
                                            # loaded nor built (a text-only model's vision tower)
     int4_group: int | None = None          # `quantization="int4"`'s group for this family
-                                           # (None: models/quant_format.py's default)
+                                           # (None: layers/quantization/format.py's default)
     default_decoding: str = "cover"        # the engine's decoder when `decoding` is unset
 
     def model_cls(self) -> type:

@@ -23,60 +23,13 @@ from typing import BinaryIO, Iterable, Iterator
 
 import torch
 
+from cover_vllm.layers.base import Slice
+
 CHUNK_BYTES = 64 << 20          # staging buffer for converted or strided reads
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
              "F16": torch.float16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Elements [start, start + size) along `dim` of a checkpoint tensor whose full length there
-    is `full` (one tensor-parallel rank's shard); `zero=True`: the rank holds zeros of the
-    shard's shape instead (a row-parallel bias is added by rank 0 only).
-
-    `pieces`: several (start, size) ranges along `dim`, concatenated in that order (a rank's
-    share of a fused tensor such as LLaDA2's query_key_value: its q rows, then its k rows, then
-    its v rows); build one with `Slice.of_ranges`. `start` is then the first range's start and
-    `size` their total, so code that only reads `size` (the shard's length) stays right;
-    `ranges` lists the ranges of any Slice."""
-
-    dim: int
-    start: int
-    size: int
-    full: int
-    zero: bool = False
-    pieces: tuple[tuple[int, int], ...] = ()
-
-    def __post_init__(self):
-        if self.pieces and (sum(n for _, n in self.pieces) != self.size
-                            or self.pieces[0][0] != self.start):
-            raise ValueError(f"Slice pieces {self.pieces} do not start at {self.start} and add "
-                             f"up to size {self.size}")
-        if any(s < 0 or n < 0 or s + n > self.full for s, n in self.ranges):
-            raise ValueError(f"Slice ranges {self.ranges} leave [0, {self.full})")
-
-    @classmethod
-    def of_ranges(cls, dim: int, ranges: list[tuple[int, int]], full: int) -> Slice:
-        """The concatenation of `ranges` [(start, size), ...] along `dim`; one range gives a
-        plain Slice (no `pieces`)."""
-        ranges = tuple((int(s), int(n)) for s, n in ranges)
-        size = sum(n for _, n in ranges)
-        return cls(dim, ranges[0][0], size, full, pieces=ranges if len(ranges) > 1 else ())
-
-    @property
-    def ranges(self) -> tuple[tuple[int, int], ...]:
-        """The (start, size) ranges read, in shard order."""
-        return self.pieces or ((self.start, self.size),)
-
-    def full_shape(self, shard_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(self.full if d == self.dim else n for d, n in enumerate(shard_shape))
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This slice of the full tensor (a view for one range, a new tensor for pieces)."""
-        parts = [full.narrow(self.dim, s, n) for s, n in self.ranges]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from cover_vllm.models.safetensors_io import (Slice, TensorInfo, numel, read_header,
-                                              read_tensor_into)
+from cover_vllm.layers.base import Slice
+from cover_vllm.models.safetensors_io import TensorInfo, numel, read_header, read_tensor_into
 
 DUMMY_CHUNK_ELEMS = 1 << 22     # 4 M values (16 MB in fp32) per generated chunk
 

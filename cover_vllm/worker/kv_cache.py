@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cover_vllm.models.base import ModelDims
+from cover_vllm.layers.base import ModelDims
 from cover_vllm.models.gemma4_config import SLIDING
 
 MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence and call, at least

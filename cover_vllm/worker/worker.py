@@ -8,18 +8,18 @@ import torch
 
 from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
-from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.distributed.tensor_parallel import param_slices
-from cover_vllm.models.layers import pack_projections
+from cover_vllm.layers.common import pack_projections
+from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
 from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
+from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.kv_cache import KVCache, KVLayout
 from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
-from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
 

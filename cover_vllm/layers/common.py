@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ModelDims, ParallelPlan
+from cover_vllm.layers.base import AttentionFn, ModelDims, ParallelPlan
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +104,7 @@ class FusedLinears:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None    # oneDNN-blocked weight (`pack`)
-        self.quant = None       # weight-only quantized storage (models/quant_kernels.py)
+        self.quant = None       # weight-only quantized storage (layers/quantization/kernels.py)
 
     @property
     def sizes(self) -> list[int]:
@@ -204,7 +204,7 @@ def projection_groups(model: nn.Module) -> list[FusedLinears]:
 
 def fuse_projections(model: nn.Module, copy: bool = True) -> None:
     """Fuse the projections of every module that groups them (`fused_groups()`), then stack
-    what a module runs grouped (`stack_experts`: models/expert_stack.py)."""
+    what a module runs grouped (`stack_experts`: layers/expert_stack.py)."""
     for group in projection_groups(model):
         group.fuse(copy)
     for module in model.modules():

@@ -1,8 +1,8 @@
 """The matmuls of W8A8 projections (`quantization="w8a8"`): int8 weights x int8 activations
 with int32 accumulation, and the bytes each kernel keeps resident (the memory plan's count).
 
-A W8A8 projection stores int8's weights (codes per output channel, quant_format.py); at run
-time its input is quantized per row (`quant_format.quantize_activations`: symmetric,
+A W8A8 projection stores int8's weights (codes per output channel, format.py); at run
+time its input is quantized per row (`format.quantize_activations`: symmetric,
 max|x_row| / 127) and the product is
 
     y[t, n] = (sum_k xq[t, k] * q[n, k]) * w_scale[n] * x_scale[t]   (+ bias)
@@ -11,7 +11,7 @@ the sum exact in int32, the scales applied to its fp32 value in that order, in f
 rounding to the model dtype. `reference` computes the same thing with the sum in float64 (exact):
 every kernel equals it bit for bit where the int32 sum needs at most 24 bits, and to fp32's
 rounding of it otherwise (tests/test_w8a8.py, test_w8a8_rotation.py). A kernel built with a
-`rotation_block` b > 1 first rotates its input rows (`quant_format.rotate_input`, blocks of b
+`rotation_block` b > 1 first rotates its input rows (`format.rotate_input`, blocks of b
 columns), as the codes' weight rows were rotated at load, so x is then the rotated input
 (bf16: x (D H_b) in bf16, with 1 / sqrt(b) in x_scale).
 
@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.models.quant_format import quantize_activations, rotate_input
+from cover_vllm.layers.quantization.format import quantize_activations, rotate_input
 
 ZERO_POINT = 128                 # u8 activation codes = int8 codes + 128
 CUDA_MIN_ROWS = 17               # torch._int_mm on CUDA needs more than 16 rows
@@ -227,7 +227,7 @@ def make_w8a8_kernel(t: dict[str, torch.Tensor], bias: torch.Tensor | None,
     """The kernel for codes `t["qweight"]` [n, k] and scales `t["weight_scale"]` [n] on their
     device (module doc); a CPU without working oneDNN ops falls back with a warning. `row`:
     the collectives of a row-parallel projection; `rotation_block`: its input's rotation
-    (`quant_format.rotate_columns`; the codes are of the rotated weight)."""
+    (`format.rotate_columns`; the codes are of the rotated weight)."""
     q, scale = t["qweight"], t["weight_scale"]
     device = q.device.type
     if device == "cpu":

@@ -1,6 +1,6 @@
 """The quantization formats: the config parsed from `quantization=`, and the math that turns a
 float weight into codes and scales and back, and (W8A8) an activation row into int8 codes and a
-scale (models/quantization.py has the formats' description; quant_kernels.py and
+scale (models/quantization.py has the formats' description; kernels.py and
 w8a8_kernels.py run the matmuls).
 """
 

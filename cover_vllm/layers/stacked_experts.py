@@ -14,8 +14,8 @@ Weight-only quantization (models/quantization.py calls these hooks, as for a mod
 `{name}_qweight`, `{name}_weight_scale`, `{name}_weight_zero`, one [E, ...] stack each, the
 layout of `QuantConfig.storage`), `load_stacked` fills them a few experts at a time from the
 checkpoint (never a whole tensor in the model dtype), `pack_stacked` hands each expert to the
-device's kernel (quant_kernels.make_kernel; the CPU int4 pack rewrites the codes in place and
-the stacked scales are then freed: each kernel holds its own).
+device's kernel (quantization/kernels.py `make_kernel`; the CPU int4 pack rewrites the
+codes in place and the stacked scales are then freed: each kernel holds its own).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import ParallelPlan
-from cover_vllm.models.quant_format import QuantConfig, dequantize, quantize_rows
-from cover_vllm.models.quant_kernels import Int4CpuKernel, make_kernel
-from cover_vllm.models.safetensors_io import Slice
+from cover_vllm.layers.base import ParallelPlan
+from cover_vllm.layers.base import Slice
+from cover_vllm.layers.quantization.format import QuantConfig, dequantize, quantize_rows
+from cover_vllm.layers.quantization.kernels import Int4CpuKernel, make_kernel
 
 NAMES = ("gate_up_proj", "down_proj")
 LOAD_CHUNK_BYTES = 16 << 20         # experts staged at once while quantizing (model dtype)
@@ -184,8 +184,8 @@ class StackedExperts(nn.Module):
 
     @torch.no_grad()
     def pack_stacked(self) -> bool:
-        """One kernel per expert and weight (quant_kernels.make_kernel); the stacked scales
-        are freed when every kernel keeps its own copy (CPU int4). Returns whether it packed."""
+        """One kernel per expert and weight (quantization/kernels.py `make_kernel`); the stacked
+        scales are freed when every kernel keeps its own copy (CPU int4). Returns whether it packed."""
         if self.quant_config is None or self._kernels is not None:
             return False
         kernels = {name: [make_kernel(self._expert_buffers(name, e), self.quant_config, None)

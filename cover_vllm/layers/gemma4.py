@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.base import AttentionFn, ParallelPlan
-from cover_vllm.models.gemma4_config import LayerShape
-from cover_vllm.models.layers import FusedLinears, Rotation
-from cover_vllm.models.stacked_experts import StackedExperts
+from cover_vllm.layers.base import AttentionFn, ParallelPlan
+from cover_vllm.layers.common import FusedLinears, Rotation
+from cover_vllm.layers.stacked_experts import StackedExperts
+from cover_vllm.layers.gemma4_shape import LayerShape
 
 
 class GemmaRMSNorm(nn.Module):

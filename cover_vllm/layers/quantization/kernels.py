@@ -5,7 +5,7 @@
 lays its Linears' buffers (and biases) side by side in one tensor each, as FusedLinears does for
 plain weights, so q|k|v or gate|up still run as one matmul; `pack` hands those tensors to the
 kernel of the device (`make_kernel`). Until then `__call__` is the slow reference: each Linear's
-dequantized weight through F.linear (quant_format.reference_linear).
+dequantized weight through F.linear (format.reference_linear).
 
 Kernels: no hand-written matmul; the choice (`make_kernel`) is by measurement on this project's
 CPU (AMD EPYC, AVX-512 with BF16, no AMX; scripts/quant_kernels.py, one thread, LLaDA-8B's
@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cover_vllm.models.quant_format import (QuantConfig, dequantize, linear_buffers,
-                                            reference_linear, unpack_nibbles)
-from cover_vllm.models.w8a8_kernels import RowParallel, make_w8a8_kernel
+from cover_vllm.layers.quantization.format import (QuantConfig, dequantize, linear_buffers,
+                                                   reference_linear, unpack_nibbles)
+from cover_vllm.layers.quantization.w8a8_kernels import RowParallel, make_w8a8_kernel
 
 PACK_ROWS = 1024         # rows converted at once by the in-place CPU int4 pack (a multiple of 64)
 INT4_ROW_MULTIPLE = 16   # torch's int4 kernels need N % 16 == 0 on CPU (N % 8 on CUDA)
