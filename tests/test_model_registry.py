@@ -39,7 +39,7 @@ def test_each_shape_builds_its_own_family(family):
 
 
 def test_builtin_shapes_and_the_old_table_agree():
-    from cover_vllm.models.configs import DUMMY_CONFIGS
+    from cover_vllm.models.registry import DUMMY_CONFIGS
 
     shapes = builtin_shapes()
     assert DUMMY_CONFIGS == shapes

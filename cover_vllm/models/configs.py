@@ -1,6 +1,7 @@
 """Built-in shapes' data (config.json contents): weightless shapes for `load_format="dummy"` and
 for `cover-vllm make-checkpoint --shape NAME`. Each family's registry entry (models/registry.py)
-names its shapes; `DUMMY_CONFIGS` (name -> config) is that table, kept for older callers.
+names its shapes (`builtin_shapes`, and `DUMMY_CONFIGS`, the table by name kept for older
+callers, are the registry's).
 
 Full-size shapes follow the published config.json of each model (sources next to each one).
 """
@@ -204,12 +205,3 @@ DIFFUSION_GEMMA_MINI: dict[str, Any] = {
         "vocab_size": 32768, "max_position_embeddings": 8192,
     },
 }
-
-
-def __getattr__(name: str) -> Any:
-    """`DUMMY_CONFIGS`: every built-in shape by name, from the registry (one source of truth)."""
-    if name == "DUMMY_CONFIGS":
-        from cover_vllm.models.registry import builtin_shapes
-
-        return builtin_shapes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

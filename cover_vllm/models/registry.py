@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cover_vllm.models import configs
+from cover_vllm.models.attention_kind import AttentionKind
 from cover_vllm.models.gemma4_config import flatten_config
-from cover_vllm.models.spec import AttentionKind
 
 Config = dict[str, Any]
 
@@ -188,3 +188,11 @@ def builtin_shapes() -> dict[str, Config]:
                 raise RuntimeError(f"built-in shape {name!r} is declared twice")
             shapes[name] = config
     return shapes
+
+
+def __getattr__(name: str) -> Any:
+    """`DUMMY_CONFIGS`: every built-in shape by name (`builtin_shapes()`), the table older
+    callers read from configs.py."""
+    if name == "DUMMY_CONFIGS":
+        return builtin_shapes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,31 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ATTENTION_KINDS = ("full", "block_causal")
-
-
-@dataclass(frozen=True)
-class AttentionKind:
-    """Which keys a query row sees. `full`: every key of the canvas (LLaDA, Dream, LLaDA-MoE).
-    `block_causal`: the canvas is cut into blocks of `block_size` aligned to absolute position 0,
-    and a query in block b sees every key in blocks <= b (LLaDA2.x, SDAR). Room is left for more
-    kinds (a sliding window would add its width here)."""
-
-    kind: str = "full"
-    block_size: int | None = None    # block_causal: the model's own block (a request's
-                                     # block_length overrides it)
-
-    def __post_init__(self) -> None:
-        if self.kind not in ATTENTION_KINDS:
-            raise ValueError(f"attention kind {self.kind!r}; choose one of {list(ATTENTION_KINDS)}")
-        if self.kind == "block_causal" and (not isinstance(self.block_size, int)
-                                            or self.block_size < 1):
-            raise ValueError(f"block_causal attention needs a block_size >= 1, got "
-                             f"{self.block_size!r}")
-
-    @property
-    def is_block_causal(self) -> bool:
-        return self.kind == "block_causal"
+from cover_vllm.models.attention_kind import AttentionKind
+from cover_vllm.models.registry import family_for_config
 
 
 @dataclass(frozen=True)
@@ -74,9 +51,6 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelSpec":
-        # the registry imports this module (AttentionKind); imported here, not at the top
-        from cover_vllm.models.registry import family_for_config
-
         family = family_for_config(config)
         config = family.flat_config(config)
         if family.mask_token and "mask_token_id" not in config:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.engine import Engine
-from cover_vllm.entrypoints.server import serving
+from cover_vllm.entrypoints.server import scoring, serving
 from cover_vllm.entrypoints.server.client import EngineClient
 from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestError
 from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
@@ -114,7 +114,13 @@ async def retrieve_model(request: Request, model: str) -> dict:
 async def completions(request: Request):
     _check_key(request)
     req = _parse(CompletionRequest, await read_json(request, request.app.state.max_body_bytes))
-    return await serving.create_completion(_ctx(request), request, req)
+    ctx = _ctx(request)
+    serving.check_model(ctx, req.model)
+    scoring.check_scoring_fields(req)
+    prompts = [serving.tokenize(ctx, p) for p in req.prompt]
+    if req.echo:                # echo: the prompt's values (scoring.py)
+        return await scoring.create_echo_completion(ctx, request, req, prompts)
+    return await serving.create_completion(ctx, request, req, prompts)
 
 
 async def chat_completions(request: Request):

@@ -277,14 +277,10 @@ async def _respond(ctx: ServingContext, request: Request, req: SamplingFields,
     return JSONResponse({**head, "choices": choices(shape, outs), "usage": usage(outs)})
 
 
-async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest):
-    from cover_vllm.entrypoints.server import scoring   # echo: the prompt's values (scoring.py)
-
-    check_model(ctx, req.model)
-    scoring.check_scoring_fields(req)
-    prompts = [tokenize(ctx, p) for p in req.prompt]
-    if req.echo:
-        return await scoring.create_echo_completion(ctx, request, req, prompts)
+async def create_completion(ctx: ServingContext, request: Request, req: CompletionRequest,
+                            prompts: list[list[int]]):
+    """A completion without echo, its prompts already tokenized (app.py `completions` sends an
+    echo to scoring.py)."""
     return await _respond(ctx, request, req, prompts, chat=False)
 
 
