@@ -4,8 +4,9 @@ A batch holds several sequences. Each contributes a *window* of query tokens (co
 positions) laid out back to back as the flat token axis [T]. Every sequence attends over its whole
 canvas, positions 0..L-1, read from the paged KV cache after the window's fresh K/V have been
 written in place. *Override* pairs (s, r) implement COVER's two views (ALGORITHMS.md §1.4): the
-fresh K/V of position s are NOT written, so every query reads the cached (visible-token) K/V at s,
-except predictor row r = π(s), which sees the fresh (masked-input) K/V of s.
+fresh K/V of position s are NOT written to s's slot (at most to a scratch slot, `store_slots`),
+so every query reads the cached (visible-token) K/V at s, except predictor row r = π(s), which
+sees the fresh (masked-input) K/V of s.
 
 *Extra rows* (WINO's shadow block, ALGORITHMS.md §2.3) are query rows that are not canvas
 positions. They follow every window on the flat token axis (all windows first, then each

@@ -11,11 +11,13 @@ override rows.
   call, exact without any correction, in six ops per layer; it needs a kernel that takes a
   full [Q, K] mask, which torch's CPU flash kernel does.
 
-`auto` (the default) is `mask` on every device (issue #42): the forward of a COVER step is then
-the plain forward plus six ops per layer (two gathers, two concatenations, two views), and no
-per-row fp32 copy of the context K/V. The closed form stays selectable; it waits for nothing
-(no `unique`, no host read), but in half precision it recomputes each override row's output in
-fp32 from [S, Kmax, H, d] copies of its sequence's K/V (attention/correction.py).
+`auto` (the default) is `mask` on every device (issue #42): with the cache's scratch slots
+(`AttentionMetadata.fresh_key_slots`) the seeds' fresh K/V come with the gathered keys and the
+forward of a COVER step has the plain forward's ops (without: two gathers, two concatenations,
+two views more per layer), and no per-row fp32 copy of the context K/V. The closed form stays
+selectable; it waits for nothing (no `unique`, no host read), but in half precision it
+recomputes each override row's output in fp32 from [S, Kmax, H, d] copies of its sequence's K/V
+(attention/correction.py).
 
 Extra rows (WINO's shadow block) run as a second fused call over [canvas keys, their own keys]
 with their boolean allowed mask.
