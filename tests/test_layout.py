@@ -15,8 +15,11 @@ from cover_vllm.attention.layout import build_metadata
 from cover_vllm.benchmarks.op_count import OpCounter
 
 
-def reference_metadata(seqs: list[SeqLayout]) -> AttentionMetadata:
-    """The slow reference: one Python pass over the sequences (the code before #43)."""
+def reference_metadata(seqs: list[SeqLayout],
+                       scratch: tuple[int, int] | None = None) -> AttentionMetadata:
+    """The slow reference: one Python pass over the sequences (the code before #43); with a
+    `scratch` region (first slot, slots) that holds every override, override j is stored at
+    scratch slot first + j (#42)."""
     q_max = max(s.window_len for s in seqs)
     k_max = max(int(s.key_slots.numel()) for s in seqs)
     b = len(seqs)
@@ -24,6 +27,7 @@ def reference_metadata(seqs: list[SeqLayout]) -> AttentionMetadata:
     key_slots = torch.zeros(b, k_max, dtype=torch.long)
     key_valid = torch.zeros(b, k_max, dtype=torch.bool)
     out_index, write_index, write_slots, limits, overrides = [], [], [], [], []
+    store, fresh_cols = [], []
     bounded, offset = False, 0
     for i, s in enumerate(seqs):
         n, length = s.window_len, int(s.key_slots.numel())
@@ -37,8 +41,14 @@ def reference_metadata(seqs: list[SeqLayout]) -> AttentionMetadata:
         bounded = bounded or limit is not None
         slots = (s.key_slots[s.window_start:s.window_start + n] if s.positions is None
                  else s.key_slots[s.positions])
+        store.append(slots.clone())
+        fresh_cols.append([])
         if s.override:
             src = s.row_of([pos for pos, _ in s.override])
+            for a in src:                          # override j = the j-th over all sequences
+                j = len(overrides) + len(fresh_cols[-1])
+                store[-1][a] = -1 - j              # resolved below, once S is known
+                fresh_cols[-1].append(j)
             rows = s.row_of([row for _, row in s.override])
             overrides += [(i, offset + a, offset + r, r, pos, e)
                           for e, (a, r, (pos, _)) in enumerate(zip(src, rows, s.override))]
@@ -54,6 +64,14 @@ def reference_metadata(seqs: list[SeqLayout]) -> AttentionMetadata:
     ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra = ov.unbind(1)
     ov_fresh = torch.zeros(b, max(len(s.override) for s in seqs), dtype=torch.long)
     ov_fresh[ov_seq, ov_extra] = ov_src
+    store_slots = fresh_key_slots = None
+    if scratch is not None and 0 < len(overrides) <= scratch[1]:
+        store_slots = torch.cat(store)
+        store_slots = torch.where(store_slots < 0, scratch[0] - 1 - store_slots, store_slots)
+        fresh_key_slots = torch.cat([key_slots, torch.zeros_like(ov_fresh)], 1)
+        for i, cols in enumerate(fresh_cols):
+            for e, j in enumerate(cols):
+                fresh_key_slots[i, k_max + e] = scratch[0] + j
     return AttentionMetadata(
         write_index=torch.cat(write_index), write_slots=torch.cat(write_slots),
         q_index=q_index, out_index=torch.cat(out_index), key_slots=key_slots,
@@ -62,7 +80,8 @@ def reference_metadata(seqs: list[SeqLayout]) -> AttentionMetadata:
         num_overrides=len(overrides), ex_index=ex_index, ex_out=ex_out, ex_allowed=ex_allowed,
         write_all=num_written == offset, dense_queries=offset == b * q_max,
         all_keys_valid=bool(key_valid.all()) and not bounded,
-        row_limit=torch.cat(limits) if bounded else None)
+        row_limit=torch.cat(limits) if bounded else None, store_slots=store_slots,
+        fresh_key_slots=fresh_key_slots)
 
 
 def _reference_extra(seqs, key_valid, offset):
@@ -131,14 +150,18 @@ FEATURES = ["plain", "override", "sparse,override", "block,override", "hidden,ex
             "sparse,block,override,hidden,extra"]
 
 
+@pytest.mark.parametrize("scratch", [None, (200, 64), (200, 3)])
 @pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("shift", [0, 1])
-def test_batched_layout_equals_the_per_sequence_loop(features, shift):
+def test_batched_layout_equals_the_per_sequence_loop(features, shift, scratch):
+    """Also with a scratch region behind the 200 slots: roomy, and one that most batches with
+    overrides overflow (those write the seeds the slow way: no `store_slots`)."""
     gen = torch.Generator().manual_seed(FEATURES.index(features) * 2 + shift)
     for _ in range(25):
         seqs = [_random_seq(gen, shift, set(features.split(",")))
                 for _ in range(int(torch.randint(1, 7, (1,), generator=gen)))]
-        assert_same_metadata(build_metadata(seqs), reference_metadata(seqs))
+        assert_same_metadata(build_metadata(seqs, scratch=scratch),
+                             reference_metadata(seqs, scratch))
 
 
 def test_full_windows_and_one_block_causal_sequence_that_sees_everything():
@@ -149,13 +172,14 @@ def test_full_windows_and_one_block_causal_sequence_that_sees_everything():
     assert meta.dense_queries and meta.write_all and meta.all_keys_valid and meta.row_limit is None
 
 
-def _host_ops(num_seqs: int) -> int:
+def _host_ops(num_seqs: int, scratch: tuple[int, int] | None) -> int:
     slots = [torch.arange(i * 96, i * 96 + 96) for i in range(num_seqs)]
     seqs = [SeqLayout(64, 32, s, [(70, 70), (75, 75)]) for s in slots]
     with OpCounter() as ops:
-        build_metadata(seqs)
+        build_metadata(seqs, scratch=scratch)
     return ops.num_host
 
 
-def test_host_ops_of_a_layout_do_not_grow_with_the_batch():
-    assert _host_ops(64) == _host_ops(1)
+@pytest.mark.parametrize("scratch", [None, (64 * 96, 128)])
+def test_host_ops_of_a_layout_do_not_grow_with_the_batch(scratch):
+    assert _host_ops(64, scratch) == _host_ops(1, scratch)

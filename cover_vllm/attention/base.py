@@ -4,8 +4,9 @@ A batch holds several sequences. Each contributes a *window* of query tokens (co
 positions) laid out back to back as the flat token axis [T]. Every sequence attends over its whole
 canvas, positions 0..L-1, read from the paged KV cache after the window's fresh K/V have been
 written in place. *Override* pairs (s, r) implement COVER's two views (ALGORITHMS.md §1.4): the
-fresh K/V of position s are NOT written, so every query reads the cached (visible-token) K/V at s,
-except predictor row r = π(s), which sees the fresh (masked-input) K/V of s.
+fresh K/V of position s are NOT written to s's slot (at most to a scratch slot, `store_slots`),
+so every query reads the cached (visible-token) K/V at s, except predictor row r = π(s), which
+sees the fresh (masked-input) K/V of s.
 
 *Extra rows* (WINO's shadow block, ALGORITHMS.md §2.3) are query rows that are not canvas
 positions. They follow every window on the flat token axis (all windows first, then each
@@ -97,10 +98,16 @@ class AttentionMetadata:
     all_keys_valid: bool = False  # every row sees every key column: no mask at all
     row_limit: torch.Tensor | None = None   # [Tm] exclusive bound on the key columns each window
                                             # token sees (block-causal); None: no bound
+    store_slots: torch.Tensor | None = None  # [Tm] cache slot every window token is written to,
+                                             # seeds' redirected to their scratch slots (None:
+                                             # no scratch; write `write_index` at `write_slots`)
+    fresh_key_slots: torch.Tensor | None = None  # [B, Kmax + Smax] `key_slots`, then the scratch
+                                                 # slots of `ov_fresh` (pad -> 0, masked out)
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
     _flat_ov_fresh: torch.Tensor | None = None
+    _flat_fresh_key_slots: torch.Tensor | None = None
     _mask: tuple[torch.Tensor | None] | None = None
 
     @property
@@ -117,6 +124,13 @@ class AttentionMetadata:
         if self._flat_key_slots is None:
             self._flat_key_slots = self.key_slots.reshape(-1)
         return self._flat_key_slots
+
+    @property
+    def flat_fresh_key_slots(self) -> torch.Tensor:
+        """[B * (Kmax + Smax)] `fresh_key_slots` flattened, made once per forward."""
+        if self._flat_fresh_key_slots is None:
+            self._flat_fresh_key_slots = self.fresh_key_slots.reshape(-1)
+        return self._flat_fresh_key_slots
 
     @property
     def flat_ov_fresh(self) -> torch.Tensor:
@@ -220,33 +234,51 @@ class AttentionBackend(ABC):
 
     name: str
 
+    def fresh_columns(self) -> bool:
+        """Whether `attend` takes the override sources' fresh K/V as key columns after the
+        canvas keys ([B, Kmax + Smax], `AttentionMetadata.override_bias`)."""
+        return False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 return_keys: bool = False):
         """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d].
         Returns o [T, H, d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
-        rows attended over (for statistics that need them)."""
+        rows attended over (for statistics that need them). With a scratch region
+        (`meta.store_slots`) the seeds' fresh K/V are written to their scratch slots, and a
+        backend that takes them as key columns gathers them with the canvas keys."""
         k_cache, v_cache = cache
         t = meta.num_window_tokens
         qw, kw, vw = (q, k, v) if meta.num_extra == 0 else (q[:t], k[:t], v[:t])   # window rows
-        k_new, v_new = ((kw, vw) if meta.write_all else
-                        (k.index_select(0, meta.write_index), v.index_select(0, meta.write_index)))
-        k_cache.index_copy_(0, meta.write_slots, k_new)
-        v_cache.index_copy_(0, meta.write_slots, v_new)
-        keys = gather_pages(k_cache, meta.key_slots, meta.flat_key_slots)  # [B, Kmax, Hkv, d]
-        values = gather_pages(v_cache, meta.key_slots, meta.flat_key_slots)
+        if meta.store_slots is not None:                    # seeds to scratch: no select
+            k_cache.index_copy_(0, meta.store_slots, kw)
+            v_cache.index_copy_(0, meta.store_slots, vw)
+        else:
+            k_new, v_new = ((kw, vw) if meta.write_all else (k.index_select(0, meta.write_index),
+                                                            v.index_select(0, meta.write_index)))
+            k_cache.index_copy_(0, meta.write_slots, k_new)
+            v_cache.index_copy_(0, meta.write_slots, v_new)
+        slots, flat = meta.key_slots, meta.flat_key_slots
+        if meta.fresh_key_slots is not None and self.fresh_columns():
+            slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
+        keys = gather_pages(k_cache, slots, flat)       # [B, Kmax (+ Smax), Hkv, d]
+        values = gather_pages(v_cache, slots, flat)
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
         else:
+            k_max = meta.key_slots.shape[1]
             o = torch.cat([self.attend(qw, kw, vw, keys, values, meta),
-                           self.attend_extra(q, k, v, keys, values, meta)])
-        return (o, keys) if return_keys else o
+                           self.attend_extra(q, k, v, keys[:, :k_max], values[:, :k_max], meta)])
+        if not return_keys:
+            return o
+        return o, keys if slots is meta.key_slots else keys[:, :meta.key_slots.shape[1]]
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Window rows' attention over gathered keys/values [B, Kmax, Hkv, d] with the override
-        views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H, d]."""
+        """Window rows' attention over gathered keys/values [B, Kmax, Hkv, d] (with
+        `fresh_columns()` and a scratch region: [B, Kmax + Smax], the seeds' fresh K/V last) with
+        the override views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H, d]."""
 
     @abstractmethod
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,

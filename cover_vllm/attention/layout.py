@@ -16,8 +16,12 @@ import torch
 from cover_vllm.attention.base import AttentionMetadata, SeqLayout
 
 
-def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") -> AttentionMetadata:
-    """Lay out a batch (a handful of host tensor ops per step, shared by every layer)."""
+def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
+                   scratch: tuple[int, int] | None = None) -> AttentionMetadata:
+    """Lay out a batch (a handful of host tensor ops per step, shared by every layer).
+    `scratch` = (first slot, slots) of the cache's scratch region (worker/kv_cache.py): when the
+    step's overrides fit, override j's fresh K/V go to scratch slot first + j (`store_slots`,
+    `fresh_key_slots`), so no layer selects or concatenates them."""
     n = [s.window_len for s in seqs]
     lengths = [int(s.key_slots.numel()) for s in seqs]
     b, q_max, k_max, total = len(seqs), max(n), max(lengths), sum(n)
@@ -49,6 +53,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
     ov_fresh = torch.zeros(b, ov_fresh_width, dtype=torch.long)
     ov_fresh[ov_seq, ov_extra] = ov_src
     ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, total)
+    store_slots, fresh_key_slots = _scratch_slots(slots, key_slots, ov, (src_slot, q_valid),
+                                                  (scratch, ov_fresh_width))
     moved = [t.to(device) for t in (ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra, ov_fresh)]
     ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra, ov_fresh = moved
     return AttentionMetadata(
@@ -61,7 +67,28 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu") ->
         ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device),
         write_all=int(write_index.numel()) == total, dense_queries=total == b * q_max,
         all_keys_valid=row_limit is None and bool(key_valid.all()),
-        row_limit=None if row_limit is None else row_limit.to(device))
+        row_limit=None if row_limit is None else row_limit.to(device),
+        store_slots=None if store_slots is None else store_slots.to(device),
+        fresh_key_slots=None if fresh_key_slots is None else fresh_key_slots.to(device))
+
+
+def _scratch_slots(slots: torch.Tensor, key_slots: torch.Tensor, ov: torch.Tensor,
+                   rows: tuple, region: tuple) -> tuple:
+    """(`store_slots` [Tm], `fresh_key_slots` [B, Kmax + Smax]) when the step has overrides and
+    they fit the scratch region, else (None, None). `slots` [B, Qmax] = each window row's cache
+    slot; `rows` = ([S] window row of each seed, [B, Qmax] valid rows); `region` = ((first slot,
+    slots) or None, Smax)."""
+    (src_slot, q_valid), (scratch, width) = rows, region
+    num = int(ov.shape[0])
+    if scratch is None or num == 0 or num > scratch[1]:
+        return None, None
+    ov_seq, ov_extra = ov[:, 0], ov[:, 3]
+    mine = scratch[0] + torch.arange(num)                         # [S] scratch slot of each seed
+    store = slots.clone()
+    store[ov_seq, src_slot] = mine
+    fresh = torch.zeros(key_slots.shape[0], width, dtype=torch.long)  # pad -> slot 0 (masked)
+    fresh[ov_seq, ov_extra] = mine
+    return store[q_valid], torch.cat((key_slots, fresh), 1)
 
 
 def _cumsum(values: list[int]) -> list[int]:

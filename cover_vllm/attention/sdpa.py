@@ -11,11 +11,13 @@ override rows.
   call, exact without any correction, in six ops per layer; it needs a kernel that takes a
   full [Q, K] mask, which torch's CPU flash kernel does.
 
-`auto` (the default) is `mask` on every device (issue #42): the forward of a COVER step is then
-the plain forward plus six ops per layer (two gathers, two concatenations, two views), and no
-per-row fp32 copy of the context K/V. The closed form stays selectable; it waits for nothing
-(no `unique`, no host read), but in half precision it recomputes each override row's output in
-fp32 from [S, Kmax, H, d] copies of its sequence's K/V (attention/correction.py).
+`auto` (the default) is `mask` on every device (issue #42): with the cache's scratch slots
+(`AttentionMetadata.fresh_key_slots`) the seeds' fresh K/V come with the gathered keys and the
+forward of a COVER step has the plain forward's ops (without: two gathers, two concatenations,
+two views more per layer), and no per-row fp32 copy of the context K/V. The closed form stays
+selectable; it waits for nothing (no `unique`, no host read), but in half precision it
+recomputes each override row's output in fp32 from [S, Kmax, H, d] copies of its sequence's K/V
+(attention/correction.py).
 
 Extra rows (WINO's shadow block) run as a second fused call over [canvas keys, their own keys]
 with their boolean allowed mask.
@@ -45,7 +47,10 @@ class SDPABackend(AttentionBackend):
             raise ValueError(f"override={override!r}; choose one of {list(OVERRIDE_MODES)}")
         self.override = override
 
-    def _mask_overrides(self, q: torch.Tensor) -> bool:
+    def fresh_columns(self) -> bool:
+        return self._mask_overrides()
+
+    def _mask_overrides(self) -> bool:
         """`auto`: the mask on every device (the fewest ops; SDPA's CPU flash kernel and CUDA's
         memory-efficient kernel both take a float mask)."""
         return self.override in ("auto", "mask")
@@ -55,11 +60,14 @@ class SDPABackend(AttentionBackend):
         num_heads = q.shape[1]
         qp = pad_queries(q, meta).transpose(1, 2)                         # [B, H, Qmax, d]
         gqa = num_heads != k.shape[1]
-        if meta.num_overrides and self._mask_overrides(q):
-            fresh = meta.flat_ov_fresh
-            shape = (*meta.ov_fresh.shape, *k.shape[1:])                    # [B, Smax, Hkv, d]
-            kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
-            vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
+        if meta.num_overrides and self._mask_overrides():
+            if keys.shape[1] > meta.key_slots.shape[1]:   # the seeds' scratch columns gathered
+                kp, vp = keys.transpose(1, 2), values.transpose(1, 2)   # [B, Hkv, Kmax+Smax, d]
+            else:
+                fresh = meta.flat_ov_fresh
+                shape = (*meta.ov_fresh.shape, *k.shape[1:])               # [B, Smax, Hkv, d]
+                kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
+                vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.override_bias(q.dtype),
                                                enable_gqa=gqa)
             return unpad_queries(o.transpose(1, 2), meta)

@@ -21,6 +21,14 @@ from cover_vllm.layers.base import ModelDims
 from cover_vllm.models.gemma4_config import SLIDING
 
 MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence and call, at least
+SCRATCH_PER_SEQ = 16        # scratch slots per running sequence: COVER's default most seeds a
+                            # step (`k_max`); a step with more overrides writes them the slow way
+
+
+def scratch_slots(layout: "KVLayout", max_num_seqs: int) -> int:
+    """Scratch slots behind the paged pool (`KVCache`): SCRATCH_PER_SEQ per running sequence;
+    none for a model with rings (its pools are its own, and no COVER step runs there)."""
+    return 0 if layout.ring_len else max_num_seqs * SCRATCH_PER_SEQ
 
 
 def kv_bytes_per_token(dims: ModelDims, dtype: torch.dtype) -> int:
@@ -78,10 +86,16 @@ class KVLayout:
 
 
 class KVCache:
+    """`num_pages * page_size` paged slots, then `num_scratch` scratch slots: where a COVER step
+    writes its seeds' fresh K/V (attention/layout.py `build_metadata(scratch=...)`), so the
+    cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them."""
+
     def __init__(self, dims: ModelDims, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
-        shape = (num_pages * page_size, dims.num_kv_heads, dims.head_dim)   # [slots, Hkv, d]
+                 device: str | torch.device = "cpu", num_scratch: int = 0):
+        num_slots = num_pages * page_size
+        shape = (num_slots + num_scratch, dims.num_kv_heads, dims.head_dim)   # [slots, Hkv, d]
         self.num_pages, self.page_size = num_pages, page_size
+        self.scratch = (num_slots, num_scratch) if num_scratch else None   # (first slot, slots)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
 

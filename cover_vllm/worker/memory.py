@@ -69,6 +69,12 @@ class MemoryPlan:
     ring_len: int = 0          # slots of one ring
     budget_bytes: int = 0      # what pages and rings were split from (every rank splits it
                                # the same way: the engine hands it on as kv_cache_memory_bytes)
+    scratch_slots: int = 0     # behind the pages: COVER's seeds' fresh K/V (worker/kv_cache.py)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The scratch slots' K and V (all ranks), on top of `kv_bytes`."""
+        return self.scratch_slots * self.kv_bytes_per_token
 
     @property
     def canvases(self) -> int:
@@ -79,10 +85,12 @@ class MemoryPlan:
     def startup_line(self) -> str:
         rings = (f" + {self.num_rings} sliding-window rings of {self.ring_len} slots"
                  if self.ring_len else "")
+        scratch = (f" + {self.scratch_slots} scratch slots ({self.scratch_bytes / GiB:.2f} GiB)"
+                   if self.scratch_slots else "")
         return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV cache "
                 f"{self.kv_bytes / GiB:.2f} GiB = {self.num_pages} pages of {self.page_size} "
-                f"tokens{rings}, fits {self.canvases} canvases of {self.canvas_tokens} tokens "
-                f"(budget {self.capacity_bytes / GiB:.2f} GiB)")
+                f"tokens{rings}{scratch}, fits {self.canvases} canvases of "
+                f"{self.canvas_tokens} tokens (budget {self.capacity_bytes / GiB:.2f} GiB)")
 
 
 def weight_bytes(model: torch.nn.Module, world_size: int,
@@ -130,7 +138,7 @@ def _capacity(config: EngineConfig) -> tuple[int, bool]:
 
 def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
     """Size the KV pool for `model` (the unsharded meta model in its final dtype)."""
-    from cover_vllm.worker.kv_cache import KVLayout
+    from cover_vllm.worker.kv_cache import KVLayout, scratch_slots
 
     n = config.tensor_parallel_size
     dtype = next(model.parameters()).dtype
@@ -144,9 +152,11 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     share = 1 if shared else n                   # a device holds 1/n of the pool
     canvas = min(spec.max_model_len, DEFAULT_CANVAS_TOKENS)
     canvas_bytes = -(-canvas // config.page_size) * page_bytes + ring_bytes
-    left = capacity - weights
+    num_scratch = scratch_slots(layout, config.max_num_seqs)
+    weights_and_scratch = weights + num_scratch * per_token // share
+    left = capacity - weights_and_scratch
     where = ("host memory" if shared else "device memory")
-    if weights + canvas_bytes // share > capacity:
+    if weights_and_scratch + canvas_bytes // share > capacity:
         raise ValueError(
             f"{spec.family} weights need {weights / GiB:.2f} GiB and one {canvas}-token canvas "
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
@@ -157,7 +167,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
-        if weights + budget // share > capacity:
+        if weights_and_scratch + budget // share > capacity:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} ({budget / GiB:.2f} GiB) plus the weights "
                 f"({weights / GiB:.2f} GiB) exceed {config.memory_option}"
@@ -170,4 +180,4 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     kv_bytes = num_pages * page_bytes + num_rings * ring_bytes
     return MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
                       per_token, num_rings, layout.ring_len,
-                      budget if layout.ring_len else kv_bytes)
+                      budget if layout.ring_len else kv_bytes, num_scratch)

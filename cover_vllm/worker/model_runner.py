@@ -60,7 +60,7 @@ class ModelRunner:
         host_ids = torch.cat(lay.ids)
         ids = host_ids.to(device)
         positions = torch.cat(lay.positions).to(device)
-        meta = build_metadata(lay.seqs, device)
+        meta = build_metadata(lay.seqs, device, getattr(self.cache, "scratch", None))
         extra_rows = [r for r in lay.extra_rows if r is not None]
         logit_rows = torch.cat(lay.rows + extra_rows).to(device) if out.items else None
         prepare_s = time.perf_counter() - start
@@ -170,24 +170,57 @@ class ModelRunner:
     def _split_stats(out: SchedulerOutput, stats: _Stats):
         """Per item: drift and in-mass over its view (items whose strategy reads them), and the
         masked rows' attention per key column [L] (items measured at all, while a masked row
-        is left), all on the model's device."""
-        drift, attn_in, columns = [], [], []
-        offset, seq = 0, 0
-        for item in out.items:
-            columns.append(None)
-            drift.append(None)
-            attn_in.append(None)
+        is left), all on the model's device; a few split ops for the whole batch, however many
+        items (issue #42)."""
+        n = len(out.items)
+        drift, attn_in, columns = [None] * n, [None] * n, [None] * n
+        drift_spans, view_spans, column_spans = [], [], []
+        offset, seq, k_max = 0, 0, None if stats.attn_in is None else stats.attn_in.shape[1]
+        for i, item in enumerate(out.items):
+            ws, w = item.window_start, item.window_len
             if item.want_stats:
-                drift[-1] = ModelRunner._view_values(item, stats.drift[offset:offset +
-                                                                       item.window_len])
-                attn_in[-1] = (stats.drift.new_zeros(item.view_end - item.view_start)
-                               if stats.attn_in is None
-                               else stats.attn_in[seq, item.view_start:item.view_end])
-            if (item.want_stats or item.want_mass) and stats.attn_in is not None:
-                columns[-1] = stats.attn_in[seq, :item.canvases[0].key_slots.numel()]
-            offset += item.window_len * len(item.canvases)
+                if item.window_positions is None:       # the view's rows of the window
+                    lo = min(max(item.view_start - ws, 0), w)
+                    drift_spans.append((i, offset + lo,
+                                        offset + min(max(item.view_end - ws, lo), w)))
+                else:                                   # the whole sparse window
+                    drift_spans.append((i, offset, offset + w))
+                base = 0 if k_max is None else seq * k_max
+                view_spans.append((i, base + item.view_start, base + item.view_end))
+            if (item.want_stats or item.want_mass) and k_max is not None:
+                column_spans.append((i, seq * k_max,
+                                     seq * k_max + item.canvases[0].key_slots.numel()))
+            offset += w * len(item.canvases)
             seq += len(item.canvases)
+        for (i, _, _), piece in zip(drift_spans, _pieces(stats.drift, drift_spans)):
+            item = out.items[i]
+            drift[i] = piece if item.window_positions is None else ModelRunner._view_values(
+                item, piece)
+        if stats.attn_in is None:
+            lengths = [end - start for _, start, end in view_spans]
+            zeros = stats.drift.new_zeros(sum(lengths)).split(lengths) if lengths else []
+            for (i, _, _), piece in zip(view_spans, zeros):
+                attn_in[i] = piece
+            return drift, attn_in, columns
+        flat = stats.attn_in.reshape(-1)                          # [B * Kmax]
+        for (i, _, _), piece in zip(view_spans, _pieces(flat, view_spans)):
+            attn_in[i] = piece
+        for (i, _, _), piece in zip(column_spans, _pieces(flat, column_spans)):
+            columns[i] = piece
         return drift, attn_in, columns
+
+
+def _pieces(flat: torch.Tensor | None, spans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The slices [start, end) of a 1-D tensor at (item, start, end) spans (ascending, disjoint),
+    cut by one split op."""
+    if not spans:
+        return []
+    sizes, pos = [], 0
+    for _, start, end in spans:
+        sizes += [start - pos, end - start]
+        pos = end
+    sizes.append(flat.numel() - pos)
+    return list(flat.split(sizes))[1::2]
 
 
 def _cached_mass(out: SchedulerOutput, columns: list[torch.Tensor | None]):

@@ -18,7 +18,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
-from cover_vllm.worker.kv_cache import KVCache, KVLayout
+from cover_vllm.worker.kv_cache import KVCache, KVLayout, scratch_slots
 from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
@@ -74,7 +74,8 @@ class Worker:
                                            num_rings * layout.ring_len)
             canvas = CanvasRunner(self.model, self.cache, layout)
         else:
-            self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device)
+            self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device,
+                                 scratch_slots(layout, config.max_num_seqs))
             canvas = None
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
                                   canvas)
