@@ -29,42 +29,10 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while active: `device` and `host` by op name, `views`
-    (device ops that only alias an input: no kernel, still a dispatch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.device: Counter[str] = Counter()
-        self.host: Counter[str] = Counter()
-        self.views = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = _tensors(out)
-        name = func.overloadpacket.__name__
-        if any(t.device.type != "cpu" for t in outs):
-            self.device[name] += 1
-            returns = func._schema.returns
-            if returns and all(r.alias_info is not None and not r.alias_info.is_write
-                               for r in returns):
-                self.views += 1
-        else:
-            self.host[name] += 1
-        return out
-
-    @property
-    def num_device(self) -> int:
-        return sum(self.device.values())
-
-    @property
-    def num_host(self) -> int:
-        return sum(self.host.values())
-
-
 @dataclass
 class StepOps:
-    """One engine step's counts."""
+    """The ops counted in one block (an engine step): device and host ops by aten name, and
+    the device ops that only alias an input (`views`: no kernel, still a dispatch)."""
 
     device: Counter = field(default_factory=Counter)   # op name -> device ops
     host: Counter = field(default_factory=Counter)     # op name -> host ops
@@ -90,6 +58,32 @@ class StepOps:
         return self.num_device >= self.num_layers
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active into a StepOps (`with OpCounter() as ops`
+    binds the StepOps)."""
+
+    def __init__(self, num_layers: int = 1):
+        super().__init__()
+        self.counts = StepOps(num_layers=num_layers)
+
+    def __enter__(self) -> StepOps:
+        super().__enter__()
+        return self.counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name, counts = func.overloadpacket.__name__, self.counts
+        if any(t.device.type != "cpu" for t in _tensors(out)):
+            counts.device[name] += 1
+            returns = func._schema.returns
+            if returns and all(r.alias_info is not None and not r.alias_info.is_write
+                               for r in returns):
+                counts.views += 1
+        else:
+            counts.host[name] += 1
+        return out
+
+
 def num_layers(llm) -> int:
     """The engine's model's layer count."""
     return int(llm.engine.dims.num_layers)
@@ -105,9 +99,9 @@ def count_steps(llm, params, batch: int, prompt_len: int = 64,
         engine.add_request(f"ops-{batch}-{i}", {"prompt_token_ids": ids}, params)
     steps = []
     while engine.has_unfinished_requests():
-        with OpCounter() as ops:
+        with OpCounter(layers) as ops:
             engine.step()
-        steps.append(StepOps(ops.device, ops.host, ops.views, layers))
+        steps.append(ops)
         if len(steps) >= max_steps:
             raise RuntimeError(f"the engine did not finish {batch} requests in {max_steps} steps")
     return steps
