@@ -41,8 +41,12 @@ def _backend(name):
 
 
 def _run(backend, seqs, q, k, v, cache):
+    """The backend's output per head [T, H, d] (it returns the heads side by side, [T, H * d])
+    and the cache it wrote."""
     cache = (cache[0].clone(), cache[1].clone())
-    return _backend(backend).forward(q, k, v, cache, build_metadata(seqs)), cache
+    out = _backend(backend).forward(q, k, v, cache, build_metadata(seqs))
+    assert out.shape == (q.shape[0], q.shape[1] * q.shape[2])
+    return out.view(q.shape), cache
 
 
 # both ways the SDPA backend builds the override views (the default on CPU is "mask")

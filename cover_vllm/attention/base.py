@@ -215,8 +215,9 @@ def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
 
 
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[B, Qmax, H, d] -> the window rows on the flat axis [Tm, H, d] (drops padding)."""
-    flat = o.reshape(-1, *o.shape[2:])
+    """[B, Qmax, H, d] -> the window rows on the flat axis, heads side by side [Tm, H * d]
+    (drops padding; one reshape)."""
+    flat = o.reshape(-1, o.shape[2] * o.shape[3])
     return flat if meta.dense_queries else flat[meta.out_index]
 
 
@@ -243,7 +244,7 @@ class AttentionBackend(ABC):
                 cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 return_keys: bool = False):
         """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d].
-        Returns o [T, H, d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
+        Returns o [T, H * d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
         rows attended over (for statistics that need them). With a scratch region
         (`meta.store_slots`) the seeds' fresh K/V are written to their scratch slots, and a
         backend that takes them as key columns gathers them with the canvas keys."""
@@ -278,10 +279,10 @@ class AttentionBackend(ABC):
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Window rows' attention over gathered keys/values [B, Kmax, Hkv, d] (with
         `fresh_columns()` and a scratch region: [B, Kmax + Smax], the seeds' fresh K/V last) with
-        the override views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H, d]."""
+        the override views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H * d]."""
 
     @abstractmethod
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Extra rows' attention: keys = the canvas [B, Kmax] then the extra rows' own fresh K/V,
-        masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns [Te, H, d]."""
+        masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns [Te, H * d]."""

@@ -45,7 +45,7 @@ class ReferenceBackend(AttentionBackend):
                 row_v[col] = expand_kv_heads(v[src], num_heads)
             visible = meta.visible(torch.tensor([b]), torch.tensor([row]))
             out[row] = _softmax_attend(q[row:row + 1], row_k, row_v, visible)[0]
-        return out.to(q.dtype)
+        return out.to(q.dtype).flatten(1)
 
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -61,4 +61,4 @@ class ReferenceBackend(AttentionBackend):
             cols = torch.cat([torch.arange(k_max), k_max + torch.arange(mine.numel())])
             allowed = meta.ex_allowed[b, : mine.numel()][:, cols]          # [e, K + e]
             out[mine] = _softmax_attend(q[flat], ctx_k, ctx_v, allowed)
-        return out.to(q.dtype)
+        return out.to(q.dtype).flatten(1)

@@ -85,7 +85,8 @@ class SDPABackend(AttentionBackend):
             return o
         if lse is None:
             lse = override_row_lse(q, keys, meta)
-        return apply_override_correction(o, q, k, v, keys, values, lse, meta)
+        apply_override_correction(o.view(q.shape), q, k, v, keys, values, lse, meta)
+        return o
 
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,4 +97,4 @@ class SDPABackend(AttentionBackend):
         ve = torch.cat([values, v[meta.ex_index]], dim=1).transpose(1, 2)
         o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=meta.ex_allowed[:, None],
                                            enable_gqa=num_heads != k.shape[1])
-        return o.transpose(1, 2).reshape(b * e_max, num_heads, head_dim)[meta.ex_out]
+        return o.transpose(1, 2).reshape(b * e_max, num_heads * head_dim)[meta.ex_out]

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-# (layer index, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> o [T, H, d]; q and k already rotated.
+# (layer index, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> o [T, H * d] (heads side by side: the
+# output projection's input, with no reshape left to dispatch); q and k already rotated.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -17,7 +17,7 @@ from cover_vllm.layers.base import AttentionFn, ModelDims, ParallelPlan
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, normalisation in fp32, weight applied after casting back."""
+    """y = x / rms(x) * weight, the normalisation in fp32."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -25,9 +25,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`F.rms_norm` (one CUDA kernel) normalises in fp32 and rounds once to x.dtype, then the
-        weight multiplies: the official `weight * (x.float() * rsqrt(...)).to(dtype)` exactly."""
-        return self.weight * self.weight_free(x)
+        """One op (`F.rms_norm` with the weight; issue #42). In fp32 it is the official
+        `weight * (x.float() * rsqrt(...)).to(dtype)` bit for bit (tests/test_layers.py); in
+        bf16/fp16 the weight multiplies before the one rounding to x.dtype instead of after it,
+        so an output may differ from the official one by one unit in the last place, within the
+        bf16 tolerances of tests/test_bf16.py."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def weight_free(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps)     # the caller applies the weight
@@ -72,20 +75,28 @@ class Rotation:
         self.cos, self.signed_sin, self.rotary_dim = cos, signed_sin, rotary_dim
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated, computed in fp32, returned in x.dtype:
-        x·cos + rotate_half(x)·sin, with rotate_half(x) = [-x2, x1] written as roll(x)·[-1, 1]
-        folded into the sin (bit-identical: IEEE negation is exact). Six ops: the widening,
-        the roll, two products and the sum in place, the cast back (products by type promotion
-        run 2.6x slower on CPU at 512 tokens). An fp32 x is rotated in place."""
+        """x [T, heads, head_dim] -> a rotated copy (`rotate_` on a clone)."""
+        return self.rotate_(x.clone())
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] in place (x may be a view, such as the q|k heads of
+        the fused q|k|v output) and return it: x·cos + rotate_half(x)·sin computed in fp32 and
+        rounded once into x, with rotate_half(x) = [-x2, x1] written as roll(x)·[-1, 1] folded
+        into the sin (bit-identical: IEEE negation is exact). Only the first `rotary_dim`
+        channels turn; the rest are left as they are.
+
+        Four ops off the CPU: the roll and the two products widen by type promotion, and the sum
+        lands in x (`out=`, one rounding). On the CPU products by type promotion run 2.6x
+        slower (measured at 512 tokens), so x is widened first: five ops (four in fp32)."""
         r = self.rotary_dim
-        x_rot, x_pass = ((x, None) if r == x.shape[-1]
-                         else x.split([r, x.shape[-1] - r], dim=-1))
-        x32 = x_rot.float()
-        rolled = x32.roll(r // 2, -1).mul_(self.signed_sin)
-        out = x32.mul_(self.cos).add_(rolled)
-        if x_pass is not None:
-            return torch.cat([out.to(x.dtype), x_pass], dim=-1)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        x_rot = x if r == x.shape[-1] else x[..., :r]
+        if x.device.type == "cpu":
+            x32 = x_rot.float()         # x_rot itself when it is fp32
+            rolled = x32.roll(r // 2, -1).mul_(self.signed_sin)
+            torch.add(x32.mul_(self.cos), rolled, out=x_rot)
+        else:
+            torch.add(x_rot * self.cos, x_rot.roll(r // 2, -1) * self.signed_sin, out=x_rot)
+        return x
 
 
 PACK_MAX_BYTES = 256 << 20     # largest group packed: its copy is transient extra memory
@@ -258,9 +269,10 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotate_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
               rot: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, H + 2 Hkv, d] -> rotated q [T, H, d], rotated k, v (q and k rotate in one call)."""
+    """[T, H + 2 Hkv, d] -> rotated q [T, H, d], rotated k, v: q and k rotate in one call, in
+    place, so all three stay views of `qkv` (k and v side by side)."""
     qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
-    q, k = rot(qk).split([num_heads, num_kv_heads], dim=1)
+    q, k = rot.rotate_(qk).split([num_heads, num_kv_heads], dim=1)
     return q, k, v
 
 
@@ -306,8 +318,8 @@ class SelfAttention(nn.Module):
             if self.clip_qkv is not None:
                 c = self.clip_qkv
                 qk, v = qk.clamp(-c, c), v.clamp(-c, c)
-            q, k = rot(qk).split([heads, kv_heads], dim=1)    # q and k rotate in one call
-        return self.o_proj(attn(layer, q, k, v).reshape(t, -1))           # attn: [T, H, d]
+            q, k = rot.rotate_(qk).split([heads, kv_heads], dim=1)   # q and k in one call
+        return self.o_proj(attn(layer, q, k, v))                        # attn: [T, H * d]
 
     def _qk_norm_weight(self, heads: int, kv_heads: int) -> torch.Tensor:
         """[H + Hkv, d]: q_norm's weight per query head, then k_norm's per kv head (one multiply,

@@ -146,15 +146,15 @@ class Gemma4Attention(nn.Module):
         parts = self.qkv(h).split(sizes, dim=-1)
         k_raw = parts[1].view(t, kv_heads, d)
         v = self.v_norm(k_raw if self.v_proj is None else parts[2].view(t, kv_heads, d))
-        k = rot(self.k_norm(k_raw))
-        q = None if kv_only else rot(self.q_norm(parts[0].view(t, heads, d)))
+        k = rot.rotate_(self.k_norm(k_raw))               # fresh tensors: rotated in place
+        q = None if kv_only else rot.rotate_(self.q_norm(parts[0].view(t, heads, d)))
         return q, k, v
 
     def forward(self, h: torch.Tensor, layer: int, rot: Rotation,
                 attn: AttentionFn) -> torch.Tensor:
         """h [T, hidden] (normed) -> [T, hidden]."""
         q, k, v = self.project(h, rot)
-        return self.o_proj(attn(layer, q, k, v).reshape(h.shape[0], -1))
+        return self.o_proj(attn(layer, q, k, v))                        # attn: [T, H * d]
 
 
 class Router(nn.Module):

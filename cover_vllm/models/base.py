@@ -61,7 +61,7 @@ class DenseAttention:
         v4 = v.view(b, n, v.shape[1], v.shape[2]).transpose(1, 2)
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=self.allowed,
                                            enable_gqa=q.shape[1] != k.shape[1])
-        return o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2])
+        return o.transpose(1, 2).reshape(b * n, -1)
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

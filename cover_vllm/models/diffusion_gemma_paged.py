@@ -128,7 +128,7 @@ class DenseEncoderAttention:
         q4 = q.view(b, n, *q.shape[1:]).transpose(1, 2)
         k4, v4 = (t.transpose(1, 2) for t in self.kv[layer])
         o = _attend(q4, k4, v4, self.allowed(self.windows[layer], q.device))
-        return o.transpose(1, 2).reshape(b * n, *q.shape[1:])
+        return o.transpose(1, 2).reshape(b * n, -1)
 
 
 class DenseDecoderAttention:
@@ -155,7 +155,7 @@ class DenseDecoderAttention:
             allowed = allowed[:, None, None, :]
         q4 = q.view(b, self.canvas, *q.shape[1:]).transpose(1, 2)
         o = _attend(q4, keys, values, allowed)
-        return o.transpose(1, 2).reshape(b * self.canvas, *q.shape[1:])
+        return o.transpose(1, 2).reshape(b * self.canvas, -1)
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -207,7 +207,7 @@ class PagedEncoderAttention:
         k_pool, v_pool = self.kv.layer(layer)
         keys, values = _gather(k_pool, table.slots), _gather(v_pool, table.slots)
         o = _attend(q[self.q_index].transpose(1, 2), keys, values, self.allowed(kind))
-        return o.transpose(1, 2).reshape(-1, *q.shape[1:])[self.out_index]
+        return o.transpose(1, 2).reshape(-1, q.shape[1] * q.shape[2])[self.out_index]
 
 
 class PagedDecoderAttention:
@@ -240,4 +240,4 @@ class PagedDecoderAttention:
                             v.view(b, c, *v.shape[1:]).transpose(1, 2).to(v_pool.dtype)], dim=2)
         q4 = q.view(b, c, *q.shape[1:]).transpose(1, 2)
         o = _attend(q4, keys, values, self.allowed(kind))
-        return o.transpose(1, 2).reshape(b * c, *q.shape[1:])
+        return o.transpose(1, 2).reshape(b * c, -1)

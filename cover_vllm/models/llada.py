@@ -67,7 +67,7 @@ class LLaDABlock(nn.Module):
         heads, kv_heads = dims.num_heads, dims.num_kv_heads
         qkv = self.qkv(self.attn_norm(x)).view(t, heads + 2 * kv_heads, dims.head_dim)
         q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
-        x = x + self.attn_out(attn(layer, q, k, v).reshape(t, -1))
+        x = x + self.attn_out(attn(layer, q, k, v))                   # attn: [T, H * d]
         return x + self.ff_out(swiglu(self.gate_up(self.ff_norm(x))))
 
 

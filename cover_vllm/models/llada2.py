@@ -95,8 +95,8 @@ class LLaDA2Attention(nn.Module):
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if self.query_layernorm is not None:     # q/k norm before RoPE (official order)
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        q, k = rot(q), rot(k)                    # partial RoPE: rot.rotary_dim channels
-        return self.dense(attn(layer, q, k, v).reshape(t, -1))       # attn: [T, H, d]
+        q, k = rot.rotate_(q), rot.rotate_(k)    # partial RoPE: rot.rotary_dim channels
+        return self.dense(attn(layer, q, k, v))                       # attn: [T, H * d]
 
 
 class LLaDA2Gate(nn.Module):
