@@ -2,9 +2,16 @@
 
 A step's results live on the model's device; the host needs only what it applies: decisions,
 tokens, a few per-request numbers (engine/decide.py), and the attention mass the refresh policy
-reads (worker/model_runner.py). `fetch` packs any number of such small tensors, of any dtypes, as
-bytes into one buffer on their device, copies that buffer once and views the pieces back on the
-host, so the host waits for the device once, whatever the batch size or the mix of strategies.
+reads (worker/model_runner.py). `fetch` packs any number of such small tensors into one buffer on
+their device, copies that buffer once and views the pieces back on the host, so the host waits for
+the device once, whatever the batch size or the mix of strategies.
+
+The buffer is float64, filled by one `torch.cat` that converts as it copies: every value a step
+reads back (bools, token ids, positions and counts below 2^53, fp32/bf16/fp16 scores, float64
+confidences) is a float64 exactly, so the host's `to(dtype)` gives the same bits back. That is
+two ops on the device for the whole batch (plus a flattening view per tensor of more than one
+dimension) where packing bytes took four per tensor (issue #42). A device without float64 (MPS)
+packs bytes instead.
 
 On the CPU nothing moves: the tensors are already where the host reads them and come back as
 they are. On the "meta" device (a shapes-only dry run, tests/test_device.py) there are no values:
@@ -16,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-ALIGN = 8          # bytes: every piece starts where any dtype can be viewed
+ALIGN = 8          # bytes: every piece of a byte-packed buffer starts where any dtype can be viewed
+NO_FLOAT64 = ("mps",)       # device types without float64: their buffers are packed as bytes
 
 
 class HostTransfer:
@@ -31,23 +39,46 @@ class HostTransfer:
         live = [t for t in tensors if t is not None]
         if not live or live[0].device.type == "cpu":
             return list(tensors)
-        device = live[0].device
-        pieces, spans, offset = [], [], 0
-        for t in live:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            pad = -raw.numel() % ALIGN
-            pieces.append(raw)
-            if pad:
-                pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-            spans.append((offset, raw.numel()))
-            offset += raw.numel() + pad
-        packed = torch.cat(pieces)
-        if device.type == "meta":
+        pack = _pack_bytes if live[0].device.type in NO_FLOAT64 else _pack_float64
+        packed, unpack = pack(live)
+        if packed.device.type == "meta":
             host = torch.empty_like(packed, device="cpu").zero_()
         else:
             host = packed.to("cpu")
         self.copies += 1
-        self.bytes += offset
-        out = iter([host[start:start + size].view(t.dtype).reshape(t.shape)
-                    for t, (start, size) in zip(live, spans)])
+        self.bytes += packed.numel() * packed.element_size()
+        out = iter(unpack(host))
         return [None if t is None else next(out) for t in tensors]
+
+
+def _pack_float64(live: list[torch.Tensor]):
+    """One float64 buffer holding every tensor's values, and how to take them back apart."""
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in live]
+    sizes = [t.numel() for t in flat]
+    packed = torch.empty(sum(sizes), dtype=torch.float64, device=live[0].device)
+    torch.cat(flat, out=packed)
+
+    def unpack(host: torch.Tensor) -> list[torch.Tensor]:
+        return [piece.to(t.dtype).view(t.shape) for t, piece in zip(live, host.split(sizes))]
+
+    return packed, unpack
+
+
+def _pack_bytes(live: list[torch.Tensor]):
+    """One uint8 buffer holding every tensor's bytes (each piece aligned), and the unpacking."""
+    device = live[0].device
+    pieces, spans, offset = [], [], 0
+    for t in live:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = -raw.numel() % ALIGN
+        pieces.append(raw)
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        spans.append((offset, raw.numel()))
+        offset += raw.numel() + pad
+
+    def unpack(host: torch.Tensor) -> list[torch.Tensor]:
+        return [host[start:start + size].view(t.dtype).reshape(t.shape)
+                for t, (start, size) in zip(live, spans)]
+
+    return torch.cat(pieces), unpack

@@ -11,8 +11,8 @@ and for every decoder at batch 8, with logprobs on:
 * a step makes at most two device-to-host copies, at batch 1 as at batch 8.
 
 Sizes are counted in 4-byte words, the size of one fp32 logit (an int64 counts two, a bool a
-quarter): the one copy carries its tensors packed as bytes (host_transfer.py), which an element
-count would see as a byte count.
+quarter): the one copy carries its tensors packed into one float64 buffer (host_transfer.py),
+which an element count would not see in its true size.
 
 The device path of every decoder is also run on the CPU (`dense_rows`: every view row read, as on
 a GPU) and must decide exactly as the CPU's compact path does.

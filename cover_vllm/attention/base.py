@@ -223,10 +223,22 @@ def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
 
 def gather_pages(cache: torch.Tensor, slots: torch.Tensor,
                  flat: torch.Tensor | None = None) -> torch.Tensor:
-    """cache [slots, Hkv, d] at slots [B, K] -> [B, K, Hkv, d] (index_select: ~1.6x faster on CPU
+    """cache [slots, ...] at slots [B, K] -> [B, K, ...] (index_select: ~1.6x faster on CPU
     than 2-D advanced indexing); `flat`: the slots already flattened [B * K]."""
     flat = slots.reshape(-1) if flat is None else flat
     return cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
+
+
+def gather_kv(cache, slots: torch.Tensor,
+              flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values at slots [B, K], each [B, Hkv, K, d]: the layout SDPA reads. A cache
+    whose K and V share one tensor (`joint` [slots, 2, Hkv, d], worker/kv_cache.py) is read by
+    one gather, then a view, a permute and an unbind (four ops; six for two tensors)."""
+    joint = getattr(cache, "joint", None)
+    if joint is not None:
+        both = gather_pages(joint, slots, flat)                          # [B, K, 2, Hkv, d]
+        return both.permute(2, 0, 3, 1, 4).unbind(0)
+    return tuple(gather_pages(c, slots, flat).transpose(1, 2) for c in cache)
 
 
 class AttentionBackend(ABC):
@@ -243,9 +255,10 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 return_keys: bool = False):
-        """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d].
-        Returns o [T, H * d], or (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window
-        rows attended over (for statistics that need them). With a scratch region
+        """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d]
+        (a `LayerKV`, whose halves share one tensor, or any pair). Returns o [T, H * d], or
+        (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window rows attended over (for
+        statistics that need them). With a scratch region
         (`meta.store_slots`) the seeds' fresh K/V are written to their scratch slots, and a
         backend that takes them as key columns gathers them with the canvas keys."""
         k_cache, v_cache = cache
@@ -262,27 +275,28 @@ class AttentionBackend(ABC):
         slots, flat = meta.key_slots, meta.flat_key_slots
         if meta.fresh_key_slots is not None and self.fresh_columns():
             slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
-        keys = gather_pages(k_cache, slots, flat)       # [B, Kmax (+ Smax), Hkv, d]
-        values = gather_pages(v_cache, slots, flat)
+        keys, values = gather_kv(cache, slots, flat)     # [B, Hkv, Kmax (+ Smax), d]
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
         else:
             k_max = meta.key_slots.shape[1]
-            o = torch.cat([self.attend(qw, kw, vw, keys, values, meta),
-                           self.attend_extra(q, k, v, keys[:, :k_max], values[:, :k_max], meta)])
+            o = torch.cat([self.attend(qw, kw, vw, keys, values, meta), self.attend_extra(
+                q, k, v, keys[:, :, :k_max], values[:, :, :k_max], meta)])
         if not return_keys:
             return o
-        return o, keys if slots is meta.key_slots else keys[:, :meta.key_slots.shape[1]]
+        return o, keys[:, :, :meta.key_slots.shape[1]].transpose(1, 2)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Window rows' attention over gathered keys/values [B, Kmax, Hkv, d] (with
-        `fresh_columns()` and a scratch region: [B, Kmax + Smax], the seeds' fresh K/V last) with
+        """Window rows' attention over gathered keys/values [B, Hkv, Kmax, d] (with
+        `fresh_columns()` and a scratch region: [B, Hkv, Kmax + Smax, d], the seeds' fresh K/V
+        last) with
         the override views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H * d]."""
 
     @abstractmethod
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Extra rows' attention: keys = the canvas [B, Kmax] then the extra rows' own fresh K/V,
+        """Extra rows' attention: keys = the canvas [B, Hkv, Kmax, d] then the extra rows' own
+        fresh K/V,
         masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns [Te, H * d]."""

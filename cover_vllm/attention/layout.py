@@ -11,6 +11,8 @@ is the reference of tests/test_layout.py, which checks every field against it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cover_vllm.attention.base import AttentionMetadata, SeqLayout
@@ -55,21 +57,51 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
     ex_index, ex_out, ex_allowed = _extra_layout(seqs, key_valid, total)
     store_slots, fresh_key_slots = _scratch_slots(slots, key_slots, ov, (src_slot, q_valid),
                                                   (scratch, ov_fresh_width))
-    moved = [t.to(device) for t in (ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra, ov_fresh)]
-    ov_seq, ov_src, ov_row, ov_slot, ov_col, ov_extra, ov_fresh = moved
-    return AttentionMetadata(
-        write_index=write_index.to(device), write_slots=write_slots.to(device),
-        q_index=flat.masked_fill(~q_valid, 0).to(device),
-        out_index=(torch.arange(b)[:, None] * q_max + cols_q)[q_valid].to(device),
-        key_slots=key_slots.to(device), key_valid=key_valid.to(device),
+    meta = AttentionMetadata(
+        write_index=write_index, write_slots=write_slots,
+        q_index=flat.masked_fill(~q_valid, 0),
+        out_index=(torch.arange(b)[:, None] * q_max + cols_q)[q_valid],
+        key_slots=key_slots, key_valid=key_valid,
         ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col, ov_key=ov_seq * k_max + ov_col,
         ov_slot=ov_slot, ov_extra=ov_extra, ov_fresh=ov_fresh, num_overrides=int(ov.shape[0]),
-        ex_index=ex_index.to(device), ex_out=ex_out.to(device), ex_allowed=ex_allowed.to(device),
+        ex_index=ex_index, ex_out=ex_out, ex_allowed=ex_allowed,
         write_all=int(write_index.numel()) == total, dense_queries=total == b * q_max,
         all_keys_valid=row_limit is None and bool(key_valid.all()),
-        row_limit=None if row_limit is None else row_limit.to(device),
-        store_slots=None if store_slots is None else store_slots.to(device),
-        fresh_key_slots=None if fresh_key_slots is None else fresh_key_slots.to(device))
+        row_limit=row_limit, store_slots=store_slots, fresh_key_slots=fresh_key_slots)
+    return move_to(device, meta)[0]
+
+
+def move_to(device: torch.device | str, meta: AttentionMetadata,
+            *carry: torch.Tensor | None) -> tuple[AttentionMetadata, list[torch.Tensor | None]]:
+    """A host-built `meta` on `device`, with `carry` (the step's other integer inputs: token
+    ids, positions, logit rows; None stays None) in the same single copy (issue #43).
+
+    Every int64 tensor rides in one flat buffer: one host->device copy (pinned and asynchronous
+    on CUDA), one split, a view per tensor of more than one dimension; the bool masks follow as
+    they are (two copies). On the CPU nothing is copied."""
+    if torch.device(device).type == "cpu":
+        return meta, list(carry)
+    fields = [f.name for f in dataclasses.fields(meta)
+              if isinstance(getattr(meta, f.name), torch.Tensor) and not f.name.startswith("_")]
+    ints = [name for name in fields if getattr(meta, name).dtype == torch.long]
+    tensors = [getattr(meta, name) for name in ints] + list(carry)
+    moved = _move_ints(tensors, torch.device(device))
+    changes = dict(zip(ints, moved))
+    changes.update({name: getattr(meta, name).to(device) for name in fields if name not in changes})
+    return dataclasses.replace(meta, **changes), moved[len(ints):]
+
+
+def _move_ints(tensors: list[torch.Tensor | None],
+               device: torch.device) -> list[torch.Tensor | None]:
+    """int64 host tensors -> the same on `device`, through one flat buffer."""
+    live = [t for t in tensors if t is not None]
+    flat = torch.cat([t.reshape(-1) for t in live])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    pieces = flat.to(device, non_blocking=device.type == "cuda").split(
+        [t.numel() for t in live])
+    out = iter(p if t.dim() == 1 else p.view(t.shape) for t, p in zip(live, pieces))
+    return [None if t is None else next(out) for t in tensors]
 
 
 def _scratch_slots(slots: torch.Tensor, key_slots: torch.Tensor, ov: torch.Tensor,

@@ -27,6 +27,7 @@ class ReferenceBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_heads = q.shape[1]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Kmax, Hkv, d]
         out = torch.empty(q.shape, dtype=torch.float64)
         for b in range(meta.q_index.shape[0]):
             rows = meta.out_index[(meta.out_index // meta.q_index.shape[1]) == b]
@@ -50,6 +51,7 @@ class ReferenceBackend(AttentionBackend):
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_heads, e_max = q.shape[1], meta.ex_index.shape[1]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Kmax, Hkv, d]
         k_max = keys.shape[1]
         out = torch.empty(meta.num_extra, *q.shape[1:], dtype=torch.float64)
         seq_of = meta.ex_out // e_max

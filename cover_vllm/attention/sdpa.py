@@ -61,17 +61,16 @@ class SDPABackend(AttentionBackend):
         qp = pad_queries(q, meta).transpose(1, 2)                         # [B, H, Qmax, d]
         gqa = num_heads != k.shape[1]
         if meta.num_overrides and self._mask_overrides():
-            if keys.shape[1] > meta.key_slots.shape[1]:   # the seeds' scratch columns gathered
-                kp, vp = keys.transpose(1, 2), values.transpose(1, 2)   # [B, Hkv, Kmax+Smax, d]
-            else:
+            kp, vp = keys, values                  # [B, Hkv, Kmax + Smax, d]: scratch columns
+            if keys.shape[2] == meta.key_slots.shape[1]:         # no scratch: add the columns
                 fresh = meta.flat_ov_fresh
                 shape = (*meta.ov_fresh.shape, *k.shape[1:])               # [B, Smax, Hkv, d]
-                kp = torch.cat((keys, k.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
-                vp = torch.cat((values, v.index_select(0, fresh).view(shape)), 1).transpose(1, 2)
+                kp = torch.cat((keys, k.index_select(0, fresh).view(shape).transpose(1, 2)), 2)
+                vp = torch.cat((values, v.index_select(0, fresh).view(shape).transpose(1, 2)), 2)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.override_bias(q.dtype),
                                                enable_gqa=gqa)
             return unpad_queries(o.transpose(1, 2), meta)
-        kp, vp = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Kmax, d]
+        kp, vp = keys, values                                  # [B, Hkv, Kmax, d]
         lse = None
         if q.device.type == "cpu" and meta.num_overrides:
             o, lse = _FLASH_CPU(qp, expand_kv_heads(kp, num_heads, 1),
@@ -83,6 +82,7 @@ class SDPABackend(AttentionBackend):
         o = unpad_queries(o.transpose(1, 2), meta)
         if meta.num_overrides == 0:
             return o
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Kmax, Hkv, d]
         if lse is None:
             lse = override_row_lse(q, keys, meta)
         apply_override_correction(o.view(q.shape), q, k, v, keys, values, lse, meta)
@@ -93,8 +93,8 @@ class SDPABackend(AttentionBackend):
         b, e_max = meta.ex_index.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         qe = q[meta.ex_index].transpose(1, 2)                                 # [B, H, Emax, d]
-        ke = torch.cat([keys, k[meta.ex_index]], dim=1).transpose(1, 2)      # [B, Hkv, K+E, d]
-        ve = torch.cat([values, v[meta.ex_index]], dim=1).transpose(1, 2)
+        ke = torch.cat([keys, k[meta.ex_index].transpose(1, 2)], dim=2)      # [B, Hkv, K+E, d]
+        ve = torch.cat([values, v[meta.ex_index].transpose(1, 2)], dim=2)
         o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=meta.ex_allowed[:, None],
                                            enable_gqa=num_heads != k.shape[1])
         return o.transpose(1, 2).reshape(b * e_max, num_heads * head_dim)[meta.ex_out]

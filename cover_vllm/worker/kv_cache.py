@@ -85,19 +85,35 @@ class KVLayout:
         return max(1, (budget - rings * ring) // page), rings
 
 
+class LayerKV(tuple):
+    """One layer's (k_cache, v_cache) [slots, Hkv, d]: the two halves of `joint` [slots, 2,
+    Hkv, d], so that one gather reads both (attention/base.py `gather_kv`)."""
+
+    joint: torch.Tensor
+
+    def __new__(cls, joint: torch.Tensor) -> "LayerKV":
+        pair = super().__new__(cls, joint.unbind(1))
+        pair.joint = joint
+        return pair
+
+
 class KVCache:
     """`num_pages * page_size` paged slots, then `num_scratch` scratch slots: where a COVER step
     writes its seeds' fresh K/V (attention/layout.py `build_metadata(scratch=...)`), so the
-    cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them."""
+    cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them.
+    A layer's K and V share one tensor [slots, 2, Hkv, d] (`LayerKV`); `k[i]` and `v[i]` are
+    its halves."""
 
     def __init__(self, dims: ModelDims, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", num_scratch: int = 0):
         num_slots = num_pages * page_size
-        shape = (num_slots + num_scratch, dims.num_kv_heads, dims.head_dim)   # [slots, Hkv, d]
+        shape = (num_slots + num_scratch, 2, dims.num_kv_heads, dims.head_dim)
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch = (num_slots, num_scratch) if num_scratch else None   # (first slot, slots)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
+        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(dims.num_layers)]
+        self.k = [layer[0] for layer in self.layers]
+        self.v = [layer[1] for layer in self.layers]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> LayerKV:
+        return self.layers[i]

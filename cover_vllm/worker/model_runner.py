@@ -13,6 +13,7 @@ import time
 import torch
 
 from cover_vllm.attention import AttentionBackend, build_metadata
+from cover_vllm.attention.layout import move_to
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
@@ -58,11 +59,11 @@ class ModelRunner:
         copies, moved = self.transfer.copies, self.transfer.bytes
         lay = lay_out(out, self.shift)
         host_ids = torch.cat(lay.ids)
-        ids = host_ids.to(device)
-        positions = torch.cat(lay.positions).to(device)
-        meta = build_metadata(lay.seqs, device, getattr(self.cache, "scratch", None))
         extra_rows = [r for r in lay.extra_rows if r is not None]
-        logit_rows = torch.cat(lay.rows + extra_rows).to(device) if out.items else None
+        meta, (ids, positions, logit_rows) = move_to(     # one copy to the device
+            device, build_metadata(lay.seqs, "cpu", getattr(self.cache, "scratch", None)),
+            host_ids, torch.cat(lay.positions),
+            torch.cat(lay.rows + extra_rows) if out.items else None)
         prepare_s = time.perf_counter() - start
         stats = None
         if any(item.want_stats or item.want_mass for item in out.items):
