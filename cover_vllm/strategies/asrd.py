@@ -42,7 +42,7 @@ import torch
 from cover_vllm.step_plan import EmbedEdit
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import on_device, topk_mask
+from cover_vllm.strategies.sampling import finite, on_device, topk_mask
 
 NEG_INF = float("-inf")
 
@@ -135,10 +135,10 @@ class ASRD(Strategy):
         ent = -(probs * probs.clamp(min=1e-300).log()).sum(-1) / math.log(probs.shape[-1])
         cand_p = probs.gather(-1, draft_tokens[..., None])[..., 0]
         cand_p = cand_p.masked_fill(~batch.candidates, NEG_INF)
-        draft = topk_mask(cand_p, torch.ones(cand_p.shape[0], dtype=torch.long))
-        draft |= torch.isfinite(cand_p) & (cand_p >= p.draft_threshold)
+        draft = topk_mask(cand_p, 1)
+        draft |= finite(cand_p) & (cand_p >= p.draft_threshold)
         if p.max_draft is not None:
-            draft &= topk_mask(cand_p, torch.full((cand_p.shape[0],), p.max_draft))
+            draft &= topk_mask(cand_p, p.max_draft)
         own = probs.gather(-1, batch.tokens.clamp(max=probs.shape[-1] - 1)[..., None])[..., 0]
         perturbed = on_device(self._perturbed(batch), own)
         fails = perturbed & ((arg != batch.tokens) | (own < p.verify_threshold))

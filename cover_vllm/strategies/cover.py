@@ -148,7 +148,7 @@ class _Seeds:
                    at(d.state["deferred"]), at(d.replace), at(d.remask))
 
 
-def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
     """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
     probability (ties: lower position first)."""
     return topk_mask((-own).masked_fill(~mask, float("-inf")), k)
@@ -245,10 +245,10 @@ class Cover(Strategy):
         probs = torch.softmax(rows.take(logits).to(torch.float64), dim=-1)     # [N, V]
         cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
         cand_conf = cand_conf.masked_fill(~candidates, float("-inf"))   # = threshold's float64
-        draft = topk_mask(cand_conf, torch.ones(n, dtype=torch.long))
-        draft |= torch.isfinite(cand_conf) & (cand_conf >= p.draft_threshold)
+        draft = topk_mask(cand_conf, 1)
+        draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen
         if p.max_draft is not None:
-            draft &= topk_mask(cand_conf, torch.full((n,), p.max_draft))
+            draft &= topk_mask(cand_conf, p.max_draft)
         # each seed's leave-one-out row: its argmax, that one's probability, its own token's
         checks = Rows(seeds, within=rows)
         loo = checks.take(probs)                                             # [S, V]
@@ -281,7 +281,7 @@ class Cover(Strategy):
         # one step can contradict each other (two cells of a row both taking the missing
         # digit); the rest are kept for now and checked again (`deferred`).
         if p.max_revise is not None:
-            first = _least_likely(revise, own, torch.full((seeds.shape[0],), p.max_revise))
+            first = _least_likely(revise, own, p.max_revise)
             deferred, revise = revise & ~first, first
         # Replace when the check prefers another token by majority (changed in place: no
         # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =

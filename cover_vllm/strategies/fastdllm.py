@@ -20,7 +20,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import linear_schedule, propose_scored, scheduled_count
-from cover_vllm.strategies.sampling import on_device, topk_mask
+from cover_vllm.strategies.sampling import finite, on_device, topk_mask
 
 
 def _candidate_confidence(batch: StepBatch,
@@ -53,8 +53,8 @@ class Threshold(Strategy):
         tokens, conf = _candidate_confidence(batch, torch.float32 if quota else torch.float64)
         if tau is None:
             return Decision(commit=topk_mask(conf, scheduled_count(batch)), tokens=tokens)
-        best = topk_mask(conf, torch.ones(conf.shape[0], dtype=torch.long))
-        commit = best | (torch.isfinite(conf) & (conf >= tau))
+        best = topk_mask(conf, 1)
+        commit = best | (finite(conf) & (conf >= tau))
         if not quota:
             return Decision(commit=commit, tokens=tokens)
         # keep the commits among the top (quota + carry); carry the skipped ones (see above)

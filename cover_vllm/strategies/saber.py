@@ -123,7 +123,7 @@ def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
     qualify, the top n instead."""
     conf = conf.masked_fill(~unfilled, NEG_INF)
     above = unfilled & (conf > on_device(tau, conf)[:, None])
-    top = topk_mask(conf, torch.full((conf.shape[0],), n, dtype=torch.long))
+    top = topk_mask(conf, n)
     return torch.where((above.sum(-1) < n)[:, None], top, above)
 
 

@@ -169,10 +169,18 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
     return rows.put(probs.gather(-1, rows.take(tokens)[:, None]).squeeze(-1), 0.0)
 
 
-def topk_mask(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per row, True at the k[i] highest scores (-inf entries are never chosen); ties go to the
-    lower position. scores [n, W] and k [n] on one device (k may be a host tensor)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
-    return (ranks < on_device(k, scores)[:, None]) & torch.isfinite(scores)
+def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+    """Per row, True at the k[i] highest scores (non-finite entries are never chosen); ties go
+    to the lower position. scores [n, W]; k [n] (on any device: a host tensor is copied) or one
+    int for every row.
+
+    Seven ops for the batch: the stable descending order, its inverse permutation (each
+    position's rank: an argsort of a permutation), and `finite` (issue #42)."""
+    ranks = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    within = ranks < (k if isinstance(k, int) else on_device(k, scores)[:, None])
+    return within & finite(scores)
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """`torch.isfinite(x)` in three ops instead of four (NaN fails both comparisons)."""
+    return (x > float("-inf")) & (x < float("inf"))
