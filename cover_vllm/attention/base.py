@@ -206,12 +206,23 @@ class AttentionMetadata:
 
 
 def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Window rows of the flat q [T, H, d] -> padded per sequence [B, Qmax, H, d] (a view when
-    every window is full length)."""
+    """Window rows of the flat q [T, H, d] -> padded per sequence in SDPA's layout
+    [B, H, Qmax, d] (a view when every window is full length)."""
     b, q_max = meta.q_index.shape
     if meta.dense_queries:
-        return q.view(b, q_max, *q.shape[1:])     # q holds the window rows only (`attend`)
-    return q[meta.q_index]
+        return heads_first(q, b, q_max)           # q holds the window rows only (`attend`)
+    return q[meta.q_index].transpose(1, 2)
+
+
+def heads_first(x: torch.Tensor, b: int, n: int, offset: int = 0) -> torch.Tensor:
+    """x [b * n, H, d] (any strides) seen as [b, H, n, d], the layout SDPA reads, without a
+    copy: one `as_strided` where a view and a transpose would dispatch two ops (each a launch
+    overhead on a GPU; issue #42). Dimensions between the first and the last two are stepped
+    over: with x [b * n, 2, H, d] (`gather_kv`: K and V side by side) `offset` (elements, x's
+    stride(1) for the second) picks one of them."""
+    row, head, col = x.stride(0), x.stride(-2), x.stride(-1)
+    return x.as_strided((b, x.shape[-2], n, x.shape[-1]), (n * row, head, row, col),
+                        x.storage_offset() + offset)
 
 
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -233,12 +244,14 @@ def gather_kv(cache, slots: torch.Tensor,
               flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values at slots [B, K], each [B, Hkv, K, d]: the layout SDPA reads. A cache
     whose K and V share one tensor (`joint` [slots, 2, Hkv, d], worker/kv_cache.py) is read by
-    one gather, then a view, a permute and an unbind (four ops; six for two tensors)."""
+    one gather and seen as the two halves (three ops; six for two tensors)."""
+    flat = slots.reshape(-1) if flat is None else flat
+    b, k = slots.shape
     joint = getattr(cache, "joint", None)
     if joint is not None:
-        both = gather_pages(joint, slots, flat)                          # [B, K, 2, Hkv, d]
-        return both.permute(2, 0, 3, 1, 4).unbind(0)
-    return tuple(gather_pages(c, slots, flat).transpose(1, 2) for c in cache)
+        both = joint.index_select(0, flat)                                 # [B * K, 2, Hkv, d]
+        return heads_first(both, b, k), heads_first(both, b, k, offset=both.stride(1))
+    return tuple(heads_first(c.index_select(0, flat), b, k) for c in cache)
 
 
 class AttentionBackend(ABC):

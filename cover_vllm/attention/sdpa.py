@@ -58,7 +58,7 @@ class SDPABackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_heads = q.shape[1]
-        qp = pad_queries(q, meta).transpose(1, 2)                         # [B, H, Qmax, d]
+        qp = pad_queries(q, meta)                                         # [B, H, Qmax, d]
         gqa = num_heads != k.shape[1]
         if meta.num_overrides and self._mask_overrides():
             kp, vp = keys, values                  # [B, Hkv, Kmax + Smax, d]: scratch columns

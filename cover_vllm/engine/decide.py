@@ -115,7 +115,8 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     extra = _extras(extra_logits, device)
     padded = stack_logits(logits, width)
     with torch.inference_mode():                   # the runner's logits are inference tensors
-        padded[..., reqs[0].mask_id] = float("-inf")  # [MASK] is never a proposal (else: stuck)
+        padded.select(-1, reqs[0].mask_id).fill_(float("-inf"))   # [MASK] is never a proposal
+                                                # (else: stuck); two ops, where `[..., id] =` is 6
     dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))  # noqa: E731
     return StepBatch(
         logits=padded, tokens=dev(host.tokens), valid=dev(host.valid),

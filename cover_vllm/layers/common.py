@@ -1,9 +1,9 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, SwiGLU MLP, and the
+"""Building blocks shared by the model families: RMSNorm, SwiGLU MLP, fused projections, and the
 HF Llama/Qwen2-named attention, decoder layer and decoder stack used by Dream and LLaDA-MoE.
 
 Each matches the official code's numerics (RMSNorm and RoPE computed in fp32; see
-../shared/golden/README.md "Quirks"). LLaDA keeps its own block (its tensors sit flat on the block
-under different names) but uses the same RMSNorm and RotaryEmbedding."""
+../shared/golden/README.md "Quirks"; RoPE: layers/rotary.py). LLaDA keeps its own block (its
+tensors sit flat on the block under different names) but uses the same RMSNorm."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.layers.base import AttentionFn, ModelDims, ParallelPlan
+from cover_vllm.layers.rotary import Rotation, rotate_qk
 
 
 class RMSNorm(nn.Module):
@@ -34,69 +35,6 @@ class RMSNorm(nn.Module):
 
     def weight_free(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps)     # the caller applies the weight
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with fp32 inverse frequencies theta^(-2k/r), applied in fp32.
-
-    Only the first `rotary_dim` (r, default head_dim) channels of each head rotate; the rest pass
-    through unchanged (HF `partial_rotary_factor`). `at(positions)` computes the angles once per
-    forward; every layer then applies the same `Rotation`.
-    """
-
-    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
-        super().__init__()
-        r = rotary_dim or head_dim
-        self.rotary_dim, self.theta = r, theta
-        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
-
-    def _inv_freq(self, device) -> torch.Tensor:
-        r = self.rotary_dim
-        exponent = torch.arange(0, r, 2, dtype=torch.float32, device=device) / r
-        return 1.0 / (self.theta ** exponent)                              # [r/2], fp32
-
-    def reset_buffers(self) -> None:      # fp32 `inv_freq` after a meta build (models/loader.py)
-        self.inv_freq = self._inv_freq(self.inv_freq.device)
-
-    def at(self, positions: torch.Tensor) -> Rotation:
-        """The rotation of tokens at `positions` [T] (absolute, int)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, r/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]              # [T, 1, r]
-        sin = emb.sin()
-        half = self.rotary_dim // 2
-        sin[..., :half].neg_()          # rotate_half(x) * sin == roll(x, r/2) * [-sin, sin]
-        return Rotation(emb.cos(), sin, self.rotary_dim)
-
-
-class Rotation:
-    """RoPE angles of one forward's tokens: cos and the signed sin [T, 1, r], fp32."""
-
-    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int):
-        self.cos, self.signed_sin, self.rotary_dim = cos, signed_sin, rotary_dim
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> a rotated copy (`rotate_` on a clone)."""
-        return self.rotate_(x.clone())
-
-    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] in place (x may be a view, such as the q|k heads of
-        the fused q|k|v output) and return it: x·cos + rotate_half(x)·sin computed in fp32 and
-        rounded once into x, with rotate_half(x) = [-x2, x1] written as roll(x)·[-1, 1] folded
-        into the sin (bit-identical: IEEE negation is exact). Only the first `rotary_dim`
-        channels turn; the rest are left as they are.
-
-        Four ops off the CPU: the roll and the two products widen by type promotion, and the sum
-        lands in x (`out=`, one rounding). On the CPU products by type promotion run 2.6x
-        slower (measured at 512 tokens), so x is widened first: five ops (four in fp32)."""
-        r = self.rotary_dim
-        x_rot = x if r == x.shape[-1] else x[..., :r]
-        if x.device.type == "cpu":
-            x32 = x_rot.float()         # x_rot itself when it is fp32
-            rolled = x32.roll(r // 2, -1).mul_(self.signed_sin)
-            torch.add(x32.mul_(self.cos), rolled, out=x_rot)
-        else:
-            torch.add(x_rot * self.cos, x_rot.roll(r // 2, -1) * self.signed_sin, out=x_rot)
-        return x
 
 
 PACK_MAX_BYTES = 256 << 20     # largest group packed: its copy is transient extra memory
@@ -265,15 +203,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2M] (gate, up side by side) -> silu(gate) * up [T, M]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def rotate_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-              rot: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, H + 2 Hkv, d] -> rotated q [T, H, d], rotated k, v: q and k rotate in one call, in
-    place, so all three stay views of `qkv` (k and v side by side)."""
-    qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
-    q, k = rot.rotate_(qk).split([num_heads, num_kv_heads], dim=1)
-    return q, k, v
 
 
 class SelfAttention(nn.Module):

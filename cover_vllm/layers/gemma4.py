@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.layers.base import AttentionFn, ParallelPlan
-from cover_vllm.layers.common import FusedLinears, Rotation
+from cover_vllm.layers.common import FusedLinears
+from cover_vllm.layers.rotary import Rotation
 from cover_vllm.layers.stacked_experts import StackedExperts
 from cover_vllm.layers.gemma4_shape import LayerShape
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from cover_vllm.layers.common import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
-                                      StackedLM, SwiGLU)
+from cover_vllm.layers.common import DecoderLayer, DecoderStack, SelfAttention, StackedLM, SwiGLU
+from cover_vllm.layers.rotary import RotaryEmbedding
 from cover_vllm.models.base import dense_forward, hf_dims
 from cover_vllm.models.spec import ModelSpec
 

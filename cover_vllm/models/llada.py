@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.layers.base import AttentionFn, ModelDims, ParallelPlan
-from cover_vllm.layers.common import (FusedLinears, RMSNorm, RotaryEmbedding, Rotation, rotate_qk,
-                                      swiglu)
+from cover_vllm.layers.common import FusedLinears, RMSNorm, swiglu
+from cover_vllm.layers.rotary import RotaryEmbedding, Rotation, rotate_qk
 from cover_vllm.models.base import key_padding_forward
 from cover_vllm.models.spec import ModelSpec
 

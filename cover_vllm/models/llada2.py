@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.layers.base import AttentionFn, ModelDims, ParallelPlan
-from cover_vllm.layers.common import FusedLinears, RMSNorm, RotaryEmbedding, Rotation, SwiGLU
+from cover_vllm.layers.common import FusedLinears, RMSNorm, SwiGLU
+from cover_vllm.layers.rotary import RotaryEmbedding, Rotation
 from cover_vllm.layers.expert_stack import ExpertStack, uses_stack
 from cover_vllm.models.base import hf_dims
 from cover_vllm.models.query_masks import masked_dense_forward

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cover_vllm.layers.base import ModelDims, ParallelPlan
-from cover_vllm.layers.common import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
-                                      StackedLM, SwiGLU)
+from cover_vllm.layers.common import DecoderLayer, DecoderStack, SelfAttention, StackedLM, SwiGLU
+from cover_vllm.layers.rotary import RotaryEmbedding
 from cover_vllm.layers.expert_stack import ExpertStack, uses_stack
 from cover_vllm.models.base import hf_dims, key_padding_forward
 from cover_vllm.models.spec import ModelSpec

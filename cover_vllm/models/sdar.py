@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from cover_vllm.layers.common import (DecoderLayer, DecoderStack, RotaryEmbedding, SelfAttention,
-                                      StackedLM, SwiGLU)
+from cover_vllm.layers.common import DecoderLayer, DecoderStack, SelfAttention, StackedLM, SwiGLU
+from cover_vllm.layers.rotary import RotaryEmbedding
 from cover_vllm.models.base import hf_dims
 from cover_vllm.models.query_masks import block_causal_allowed, masked_dense_forward
 from cover_vllm.models.spec import ModelSpec

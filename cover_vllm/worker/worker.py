@@ -10,6 +10,7 @@ from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.tensor_parallel import param_slices
 from cover_vllm.layers.common import pack_projections
+from cover_vllm.layers.rotary import reserve_rope_tables
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
 from cover_vllm.models.quantization import load_quantized, quantize_model
@@ -65,6 +66,7 @@ class Worker:
         if torch.device(device).type == "cpu":                  # the kernel's layout
             keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
+        reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
         budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
         num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
                                             min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
