@@ -9,9 +9,10 @@ the device once, whatever the batch size or the mix of strategies.
 The buffer is float64, filled by one `torch.cat` that converts as it copies: every value a step
 reads back (bools, token ids, positions and counts below 2^53, fp32/bf16/fp16 scores, float64
 confidences) is a float64 exactly, so the host's `to(dtype)` gives the same bits back. That is
-two ops on the device for the whole batch (plus a flattening view per tensor of more than one
-dimension) where packing bytes took four per tensor (issue #42). A device without float64 (MPS)
-packs bytes instead.
+a few ops on the device for the whole batch where packing bytes took four per tensor (issue #42):
+the per-row tensors [n, W_i] of a batch of n rows are laid side by side by one `cat` along their
+second dimension into a [n, sum W_i] view of the buffer, the rest (1-D, or flattened) by one more.
+A device without float64 (MPS) packs bytes instead.
 
 On the CPU nothing moves: the tensors are already where the host reads them and come back as
 they are. On the "meta" device (a shapes-only dry run, tests/test_device.py) there are no values:
@@ -52,14 +53,37 @@ class HostTransfer:
 
 
 def _pack_float64(live: list[torch.Tensor]):
-    """One float64 buffer holding every tensor's values, and how to take them back apart."""
-    flat = [t if t.dim() == 1 else t.reshape(-1) for t in live]
-    sizes = [t.numel() for t in flat]
-    packed = torch.empty(sum(sizes), dtype=torch.float64, device=live[0].device)
-    torch.cat(flat, out=packed)
+    """One float64 buffer holding every tensor's values, and how to take them back apart: a
+    region [n, sum W] per first dimension n shared by 2-D tensors (one `cat` along dim 1 each),
+    then one flat region for the others (one `cat` of them flattened)."""
+    groups: dict = {}
+    for i, t in enumerate(live):
+        groups.setdefault(t.shape[0] if t.dim() == 2 else None, []).append(i)
+    sizes = {key: sum(live[i].numel() for i in members) for key, members in groups.items()}
+    packed = torch.empty(sum(sizes.values()), dtype=torch.float64, device=live[0].device)
+    regions, offset = {}, 0
+    for key, members in groups.items():
+        region = packed if sizes[key] == packed.numel() else packed[offset:offset + sizes[key]]
+        if key is None:
+            torch.cat([live[i].reshape(-1) if live[i].dim() != 1 else live[i]
+                       for i in members], out=region)
+        else:
+            torch.cat([live[i] for i in members], dim=1, out=region.view(key, -1))
+        regions[key] = (offset, sizes[key])
+        offset += sizes[key]
 
     def unpack(host: torch.Tensor) -> list[torch.Tensor]:
-        return [piece.to(t.dtype).view(t.shape) for t, piece in zip(live, host.split(sizes))]
+        out = [None] * len(live)
+        for key, members in groups.items():
+            start, size = regions[key]
+            region = host[start:start + size]
+            if key is None:
+                pieces = region.split([live[i].numel() for i in members])
+            else:
+                pieces = region.view(key, -1).split([live[i].shape[1] for i in members], 1)
+            for i, piece in zip(members, pieces):
+                out[i] = piece.to(live[i].dtype).reshape(live[i].shape)
+        return out
 
     return packed, unpack
 
