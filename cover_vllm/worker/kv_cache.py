@@ -88,14 +88,19 @@ class KVLayout:
 class KVCache:
     """`num_pages * page_size` paged slots, then `num_scratch` scratch slots: where a COVER step
     writes its seeds' fresh K/V (attention/layout.py `build_metadata(scratch=...)`), so the
-    cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them."""
+    cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them.
+    With `pad_slot`, one slot more after those: the one every padded row of a CUDA graph's
+    batch writes to and reads (worker/cuda_graphs.py), never a real key."""
 
     def __init__(self, dims: ModelDims, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", num_scratch: int = 0):
+                 device: str | torch.device = "cpu", num_scratch: int = 0,
+                 pad_slot: bool = False):
         num_slots = num_pages * page_size
-        shape = (num_slots + num_scratch, dims.num_kv_heads, dims.head_dim)   # [slots, Hkv, d]
+        shape = (num_slots + num_scratch + int(pad_slot), dims.num_kv_heads,
+                 dims.head_dim)                                         # [slots, Hkv, d]
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch = (num_slots, num_scratch) if num_scratch else None   # (first slot, slots)
+        self.pad_slot = num_slots + num_scratch if pad_slot else None
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(dims.num_layers)]
 
