@@ -28,8 +28,9 @@ class CaptureBackend(Protocol):
 
 
 class CudaGraphs:
-    """`torch.cuda.CUDAGraph` capture as torch documents it: warm-up runs on a side stream, then
-    one capture into a memory pool every graph of this runner shares (graphs never run at the
+    """`torch.cuda.CUDAGraph` capture as torch documents it: warm-up runs on a side stream (they
+    also build what the forward caches on its first call, e.g. layers/common.py's q/k norm
+    weight, so the graph reads the cached tensor), then one capture into a memory pool every graph of this runner shares (graphs never run at the
     same time, and each replay's output is consumed before the next replay). The warm-up runs
     are real forwards: they write the step's K/V to the same slots as the replay does (the same
     values), so they change nothing."""
@@ -74,8 +75,9 @@ class Rerun:
         self.verify = verify
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Replay:
+        for _ in range(WARMUP_RUNS):    # as CudaGraphs: what the forward builds lazily on its
+            fn()                        # first call (cached weights) is built before the capture
         if not self.verify:
-            fn()                                    # the warm-up, as CudaGraphs does
             return fn
         with OpTrace() as captured:
             fn()
