@@ -191,3 +191,22 @@ def test_cuda_graphs_give_the_eager_tokens_and_nfe(decoding):
     assert isinstance(graphs.backend, CudaGraphs)
     assert _generate(llm, decoding) == _generate(eager, decoding)
     assert graphs.counts.replays > graphs.counts.captures > 0
+
+
+@pytest.mark.parametrize("key_align", [1, 64])
+def test_scoring_through_graphs_gives_the_eager_loglikelihood(monkeypatch, key_align):
+    """Scoring sequences are windows too: their rows come back unpadded to the scoring pass.
+    Pad rows and static buffers change no bit (key_align=1); padded key columns, masked, may
+    change the last bits of a log-prob (as eager batching with a longer canvas does)."""
+    requests = [{"context_token_ids": [5, 6, 7, 8], "continuation_token_ids": [9, 10]},
+                {"context_token_ids": [11] * 9, "continuation_token_ids": [12, 13, 14]}]
+    eager = [o.logprob for o in _llm(monkeypatch, None).loglikelihood(requests, use_tqdm=False)]
+    llm = _llm(monkeypatch, Rerun(verify=True))
+    graphs = llm.engine.executor.runner.graphs
+    graphs.sizes, graphs.key_align = (7, 50, 100, 200, 512), key_align
+    got = [o.logprob for o in llm.loglikelihood(requests, use_tqdm=False)]
+    assert graphs.counts.replays > 0 and graphs.counts.padded_rows > 0
+    if key_align == 1:
+        assert got == eager
+    else:
+        assert got == pytest.approx(eager, rel=1e-6)
