@@ -35,7 +35,8 @@ class EngineConfig:
     vLLM's common arguments are fields under vLLM's names and meanings: `max_model_len`,
     `gpu_memory_utilization` (one fraction with `memory_utilization`: see `memory_fraction`),
     `trust_remote_code` (accepted; it changes nothing here, as its help says), `enforce_eager`
-    (vLLM's knob; today the model runs eagerly on every device, so it changes nothing yet),
+    (vLLM's knob: False, the default, runs the forward as CUDA graphs on CUDA, worker/
+    cuda_graphs.py; ignored elsewhere),
     `tokenizer`, `revision`, `tokenizer_revision`, `download_dir`, `seed`. vLLM's arguments
     with no meaning here are refused by name with the reason (vllm_args.py).
     """
@@ -102,9 +103,12 @@ class EngineConfig:
         "itself and never runs code shipped with a checkpoint, so True and False load the "
         "same", kind="bool")
     enforce_eager: bool = option(
-        False, "vLLM's knob, ignored off CUDA: on CUDA, False (default) means CUDA graphs once "
-        "the engine captures them (issue #42); today the model runs eagerly on every device "
-        "(no CUDA graphs, no torch.compile), so True and False run the same", kind="bool")
+        False, "vLLM's knob, ignored off CUDA: on CUDA, False (default) runs the model forward "
+        "as CUDA graphs, captured per batch shape at padded token counts up to 512 (eagerly "
+        "beyond, with tensor parallelism, and in steps that measure attention statistics); "
+        "True runs it eagerly. Padding changes no real row's attention; nothing is "
+        "torch.compile'd",
+        kind="bool")
     tokenizer: str | None = option(
         None, "tokenizer from another local directory or Hugging Face repo id (default: the "
         "model's own files)")

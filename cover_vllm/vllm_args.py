@@ -17,7 +17,8 @@ Accepted whatever the value (an instruction this engine already follows):
 * `disable_log_stats`: the engine logs no periodic stats (the server's are on /metrics).
 * `disable_custom_all_reduce`: tensor-parallel all-reduces are torch.distributed's; there is no
   custom all-reduce to turn off.
-* `max_seq_len_to_capture`: there are no CUDA graphs to capture (see `enforce_eager`).
+* `max_seq_len_to_capture`: CUDA graphs are captured up to 512 tokens a step whatever it says
+  (see `enforce_eager`, worker/cuda_graphs.py).
 * `use_tqdm_on_load`: loading shows no progress bar either way.
 * `disable_log_requests`: the server logs no request contents to disable (uvicorn's access
   log, set by `serve --uvicorn-log-level`, lists each request's route and status).
@@ -123,8 +124,8 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "enable_expert_parallel": VllmOnly("MoE experts are sharded by tensor parallelism",
                                        (False,), switch=True),
     "kv_transfer_config": VllmOnly("no disaggregated prefill / KV transfer", (None,)),
-    "compilation_config": VllmOnly("nothing is compiled: the model runs eagerly (see "
-                                   "enforce_eager)", (None, 0, {})),
+    "compilation_config": VllmOnly("nothing is compiled; CUDA graphs are "
+                                   "enforce_eager's", (None, 0, {})),
     "scheduling_policy": VllmOnly("requests are admitted first come, first served", ("fcfs",)),
     "override_generation_config": VllmOnly("pass the values in SamplingParams instead; "
                                            "generation_config.json gives only max_new_tokens",

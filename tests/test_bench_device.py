@@ -155,9 +155,9 @@ def test_every_entry_point_takes_enforce_eager(argv):
     assert parser.parse_args(argv).enforce_eager is False
 
 
-def test_enforce_eager_says_what_it_does_today():
+def test_enforce_eager_says_what_it_does():
     from cover_vllm.config import EngineConfig
 
     assert LLM("cover-tiny", enforce_eager=True, num_threads=1).engine.config.enforce_eager
     said = EngineConfig.__dataclass_fields__["enforce_eager"].metadata["help"]
-    assert "once the engine captures them" in said and "eagerly on every device" in said
+    assert "CUDA graphs" in said and "True runs it eagerly" in said and "off CUDA" in said

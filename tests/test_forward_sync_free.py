@@ -173,3 +173,54 @@ def test_diffusion_gemma_forward_is_free_of_data_dependent_ops():
     _watch(llm.engine.executor.runner.model, ("encode_paged", "decode_paged"), counts)
     _run(llm, SamplingParams(max_tokens=256, decoding_params={"max_denoising_steps": 2}), 2)
     assert len(counts) >= 2 and min(counts) > 0
+
+
+class NoHostTensors(TorchDispatchMode):
+    """Fails on an op that reads a host tensor into device work: a copy to the device (a graph
+    would replay the capture's bytes) or a host scalar (a graph would bake its value in)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if any(t.device.type != "cpu" for t in flat + outs) and any(
+                t.device.type == "cpu" for t in flat):
+            raise DataDependentOp(f"{func} reads a host tensor in the captured forward")
+        return out
+
+
+def test_the_mode_catches_host_tensors_in_device_work():
+    x = torch.zeros(6, 3, device="meta")
+    for run in (lambda: torch.arange(3).to("meta"), lambda: x * torch.tensor(2.0),
+                lambda: x.index_select(0, torch.tensor([1]))):
+        with pytest.raises(DataDependentOp), NoHostTensors():
+            run()
+    with NoHostTensors():
+        x[:2] * 2.0 + x.index_select(0, torch.arange(2, device="meta"))
+
+
+@pytest.mark.parametrize("model,decoding", [
+    ("llada-8b", "low_confidence"), ("llada-8b", "wino"), ("dream-7b", "threshold"),
+    ("sdar-8b", "low_confidence"), ("llada-8b", "cover")])
+def test_the_captured_forward_reads_nothing_from_the_host(model, decoding, monkeypatch):
+    """What a CUDA graph captures (worker/cuda_graphs.py: `embed` + `forward_tokens` over the
+    static buffers, padded) run on the meta device with the graph path forced: no host tensor
+    enters it, no value leaves it, and every replay repeats its capture's ops."""
+    import cover_vllm.worker.worker as worker_module
+    from cover_vllm.worker.graph_backends import Rerun
+
+    monkeypatch.setattr(worker_module, "capture_backend_for", lambda config, device: Rerun())
+    llm = _meta_llm(model)
+    graphs = llm.engine.executor.runner.graphs
+    forward = graphs.forward
+
+    def watched(*args):
+        with NoDataDependentOps(), NoHostTensors():
+            return forward(*args)
+
+    graphs.forward = watched
+    params = {"cover": {"w_influence": 0.0, "w_drift": 0.0}}.get(decoding, {})
+    for _ in range(2):                  # the second run replays the first one's graphs
+        _run(llm, SamplingParams(max_tokens=32, block_length=32, ignore_eos=True,
+                                 decoding=decoding, decoding_params=params), batch=3)
+    assert graphs.counts.replays > graphs.counts.captures > 0

@@ -102,14 +102,17 @@ class KVCache:
     writes its seeds' fresh K/V (attention/layout.py `build_metadata(scratch=...)`), so the
     cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them.
     A layer's K and V share one tensor [slots, 2, Hkv, d] (`LayerKV`); `k[i]` and `v[i]` are
-    its halves."""
+    its halves. With `pad_slot`, one slot more after those: the one every padded row of a CUDA
+    graph's batch writes to and reads (worker/cuda_graphs.py), never a real key."""
 
     def __init__(self, dims: ModelDims, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", num_scratch: int = 0):
+                 device: str | torch.device = "cpu", num_scratch: int = 0,
+                 pad_slot: bool = False):
         num_slots = num_pages * page_size
-        shape = (num_slots + num_scratch, 2, dims.num_kv_heads, dims.head_dim)
+        shape = (num_slots + num_scratch + int(pad_slot), 2, dims.num_kv_heads, dims.head_dim)
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch = (num_slots, num_scratch) if num_scratch else None   # (first slot, slots)
+        self.pad_slot = num_slots + num_scratch if pad_slot else None
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(dims.num_layers)]
         self.k = [layer[0] for layer in self.layers]

@@ -19,7 +19,9 @@ from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
 from cover_vllm.worker.canvas_runner import CanvasRunner
+from cover_vllm.worker.cuda_graphs import GraphRunner
 from cover_vllm.worker.embed_edits import apply_embed_edits
+from cover_vllm.worker.graph_backends import CaptureBackend
 from cover_vllm.worker.kv_cache import KVCache
 from cover_vllm.worker.scoring import score_forward
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_flat
@@ -41,12 +43,16 @@ class _Stats:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, cache: KVCache,
-                 canvas: CanvasRunner | None = None):
+                 canvas: CanvasRunner | None = None, capture: CaptureBackend | None = None):
         self.model, self.backend, self.cache = model, backend, cache
         self.canvas = canvas        # uniform-state canvases (worker/canvas_runner.py)
         self.shift = model.spec.logit_shift
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
+        pad_slot = getattr(cache, "pad_slot", None)
+        # CUDA graphs of the forward (worker/cuda_graphs.py); None: always eager
+        self.graphs = (None if capture is None or pad_slot is None else
+                       GraphRunner(self._forward, capture, pad_slot, self.device))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -58,25 +64,35 @@ class ModelRunner:
         device = self.device
         copies, moved = self.transfer.copies, self.transfer.bytes
         lay = lay_out(out, self.shift)
-        host_ids = torch.cat(lay.ids)
+        host_ids, host_positions = torch.cat(lay.ids), torch.cat(lay.positions)
+        scratch = getattr(self.cache, "scratch", None)
+        measured = any(item.want_stats or item.want_mass for item in out.items)
+        graph = (None if self.graphs is None or measured or lay.edits else
+                 self.graphs.prepare(lay.seqs, host_ids, host_positions, scratch))
         extra_rows = [r for r in lay.extra_rows if r is not None]
-        meta, (ids, positions, logit_rows) = move_to(     # one copy to the device
-            device, build_metadata(lay.seqs, "cpu", getattr(self.cache, "scratch", None)),
-            host_ids, torch.cat(lay.positions),
-            torch.cat(lay.rows + extra_rows) if out.items else None)
+        host_rows = torch.cat(lay.rows + extra_rows) if out.items else None
+        if graph is None:                               # eager: one copy to the device
+            meta, (ids, positions, logit_rows) = move_to(
+                device, build_metadata(lay.seqs, "cpu", scratch), host_ids, host_positions,
+                host_rows)
+        else:                                           # the graph's inputs are in place
+            logit_rows = None if host_rows is None else host_rows.to(device)
         prepare_s = time.perf_counter() - start
         stats = None
-        if any(item.want_stats or item.want_mass for item in out.items):
+        if measured:
             drift = any(item.want_stats for item in out.items)
             rows = stat_rows(lay, host_ids, self.model.spec.mask_token_id)
             stats = _Stats(self.model.dims.num_layers - 1,
                            (rows, [s.window_len for s in lay.seqs[:len(lay.rows)]]),
                            ids.numel() if drift else None, device)
-        embeds = self.model.embed(ids)
-        if lay.edits:
-            edits = [(flat.to(device), edit) for flat, edit in lay.edits]
-            embeds = apply_embed_edits(self.model.embed, embeds, edits)
-        hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+        if graph is not None:
+            hidden = graph()
+        else:
+            embeds = self.model.embed(ids)
+            if lay.edits:
+                edits = [(flat.to(device), edit) for flat, edit in lay.edits]
+                embeds = apply_embed_edits(self.model.embed, embeds, edits)
+            hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
         scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores,
                                                                self.transfer.fetch)
         if not out.items:                          # a scoring-only forward
@@ -109,6 +125,11 @@ class ModelRunner:
                                  column_mass=columns, scores=scores,
                                  host_copies=self.transfer.copies - copies,
                                  host_bytes=self.transfer.bytes - moved)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The forward a CUDA graph captures: the eager one, without statistics or edits."""
+        return self.model.forward_tokens(self.model.embed(ids), positions,
+                                         self._attention(meta, None))
 
     def _attention(self, meta, stats: _Stats | None):
         """The AttentionFn of one forward: the paged backend over this runner's cache, which

@@ -19,6 +19,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
+from cover_vllm.worker.cuda_graphs import capture_backend_for
 from cover_vllm.worker.kv_cache import KVCache, KVLayout, scratch_slots
 from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
 from cover_vllm.worker.model_runner import ModelRunner
@@ -71,16 +72,19 @@ class Worker:
         num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
                                             min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
         self.tp, self.num_pages = tp, num_pages
+        capture = None
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
             self.cache = model.allocate_kv(num_pages * config.page_size,
                                            num_rings * layout.ring_len)
             canvas = CanvasRunner(self.model, self.cache, layout)
         else:
+            capture = capture_backend_for(config, device)       # None: eager (cuda_graphs.py)
             self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device,
-                                 scratch_slots(layout, config.max_num_seqs))
+                                 scratch_slots(layout, config.max_num_seqs),
+                                 pad_slot=capture is not None)
             canvas = None
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
-                                  canvas)
+                                  canvas, capture)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = self.runner.execute_model(out)
