@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cover_vllm.layers.base import kv_halves
+
 
 @dataclass
 class SeqLayout:
@@ -214,14 +216,14 @@ def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return q[meta.q_index].transpose(1, 2)
 
 
-def heads_first(x: torch.Tensor, b: int, n: int, offset: int = 0) -> torch.Tensor:
+def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
+                offset: int = 0) -> torch.Tensor:
     """x [b * n, H, d] (any strides) seen as [b, H, n, d], the layout SDPA reads, without a
     copy: one `as_strided` where a view and a transpose would dispatch two ops (each a launch
-    overhead on a GPU; issue #42). Dimensions between the first and the last two are stepped
-    over: with x [b * n, 2, H, d] (`gather_kv`: K and V side by side) `offset` (elements, x's
-    stride(1) for the second) picks one of them."""
-    row, head, col = x.stride(0), x.stride(-2), x.stride(-1)
-    return x.as_strided((b, x.shape[-2], n, x.shape[-1]), (n * row, head, row, col),
+    overhead on a GPU; issue #42). `heads` < H reads only that many heads from `offset`
+    (elements): the K or the V half of x [b * n, 2 Hkv, d] (`gather_kv`)."""
+    row, head, col = x.stride()
+    return x.as_strided((b, heads or x.shape[1], n, x.shape[2]), (n * row, head, row, col),
                         x.storage_offset() + offset)
 
 
@@ -243,14 +245,16 @@ def gather_pages(cache: torch.Tensor, slots: torch.Tensor,
 def gather_kv(cache, slots: torch.Tensor,
               flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values at slots [B, K], each [B, Hkv, K, d]: the layout SDPA reads. A cache
-    whose K and V share one tensor (`joint` [slots, 2, Hkv, d], worker/kv_cache.py) is read by
-    one gather and seen as the two halves (three ops; six for two tensors)."""
+    whose K and V share one tensor (`joint` [slots, 2 Hkv, d], worker/kv_cache.py) is read by
+    one gather and seen as the two halves (three ops; four for two tensors)."""
     flat = slots.reshape(-1) if flat is None else flat
     b, k = slots.shape
     joint = getattr(cache, "joint", None)
     if joint is not None:
-        both = joint.index_select(0, flat)                                 # [B * K, 2, Hkv, d]
-        return heads_first(both, b, k), heads_first(both, b, k, offset=both.stride(1))
+        both = joint.index_select(0, flat)                                 # [B * K, 2 Hkv, d]
+        heads = both.shape[1] // 2
+        return (heads_first(both, b, k, heads),
+                heads_first(both, b, k, heads, offset=heads * both.stride(1)))
     return tuple(heads_first(c.index_select(0, flat), b, k) for c in cache)
 
 
@@ -265,26 +269,27 @@ class AttentionBackend(ABC):
         canvas keys ([B, Kmax + Smax], `AttentionMetadata.override_bias`)."""
         return False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 return_keys: bool = False):
-        """q [T, H, d], k/v [T, Hkv, d] (rotated); cache = (k_cache, v_cache) [slots, Hkv, d]
-        (a `LayerKV`, whose halves share one tensor, or any pair). Returns o [T, H * d], or
+        """q [T, H, d], k/v [T, Hkv, d] (rotated), or k = K and V side by side [T, 2 Hkv, d]
+        and v None (layers/base.py AttentionFn); cache = (k_cache, v_cache) [slots, Hkv, d] (a
+        `LayerKV`, whose halves share one tensor, or any pair). Returns o [T, H * d], or
         (o, keys) with the gathered keys [B, Kmax, Hkv, d] the window rows attended over (for
-        statistics that need them). With a scratch region
-        (`meta.store_slots`) the seeds' fresh K/V are written to their scratch slots, and a
-        backend that takes them as key columns gathers them with the canvas keys."""
-        k_cache, v_cache = cache
+        statistics that need them). With a scratch region (`meta.store_slots`) the seeds' fresh
+        K/V are written to their scratch slots, and a backend that takes them as key columns
+        gathers them with the canvas keys. Side-by-side K and V into a `LayerKV` are written
+        by one op, and split only where a path reads them apart (`_reads_fresh_kv`)."""
+        kv = k if v is None else None
+        if kv is None or getattr(cache, "joint", None) is None:
+            if kv is not None:
+                k, v = kv_halves(kv)
+            self._write(zip(cache, (k, v)), meta)
+        else:
+            self._write([(cache.joint, kv)], meta)
+            k, v = kv_halves(kv) if self._reads_fresh_kv(meta) else (None, None)
         t = meta.num_window_tokens
         qw, kw, vw = (q, k, v) if meta.num_extra == 0 else (q[:t], k[:t], v[:t])   # window rows
-        if meta.store_slots is not None:                    # seeds to scratch: no select
-            k_cache.index_copy_(0, meta.store_slots, kw)
-            v_cache.index_copy_(0, meta.store_slots, vw)
-        else:
-            k_new, v_new = ((kw, vw) if meta.write_all else (k.index_select(0, meta.write_index),
-                                                            v.index_select(0, meta.write_index)))
-            k_cache.index_copy_(0, meta.write_slots, k_new)
-            v_cache.index_copy_(0, meta.write_slots, v_new)
         slots, flat = meta.key_slots, meta.flat_key_slots
         if meta.fresh_key_slots is not None and self.fresh_columns():
             slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
@@ -298,6 +303,27 @@ class AttentionBackend(ABC):
         if not return_keys:
             return o
         return o, keys[:, :, :meta.key_slots.shape[1]].transpose(1, 2)
+
+    @staticmethod
+    def _write(pairs, meta: AttentionMetadata) -> None:
+        """Write the window's fresh rows of each (cache, fresh [T, ...]) pair in place: the
+        seeds to their scratch slots (`store_slots`), or every written row to its slot."""
+        t = meta.num_window_tokens
+        for cache, fresh in pairs:
+            window = fresh if meta.num_extra == 0 else fresh[:t]
+            if meta.store_slots is not None:                # seeds to scratch: no select
+                cache.index_copy_(0, meta.store_slots, window)
+            else:
+                new = window if meta.write_all else fresh.index_select(0, meta.write_index)
+                cache.index_copy_(0, meta.write_slots, new)
+
+    def _reads_fresh_kv(self, meta: AttentionMetadata) -> bool:
+        """Whether `attend`/`attend_extra` read the fresh k and v themselves: extra rows, and
+        overrides unless their fresh K/V come gathered from scratch as key columns."""
+        if meta.num_extra:
+            return True
+        return bool(meta.num_overrides) and not (self.fresh_columns()
+                                                 and meta.fresh_key_slots is not None)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,

@@ -59,7 +59,7 @@ class SDPABackend(AttentionBackend):
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_heads = q.shape[1]
         qp = pad_queries(q, meta)                                         # [B, H, Qmax, d]
-        gqa = num_heads != k.shape[1]
+        gqa = num_heads != keys.shape[1]
         if meta.num_overrides and self._mask_overrides():
             kp, vp = keys, values                  # [B, Hkv, Kmax + Smax, d]: scratch columns
             if keys.shape[2] == meta.key_slots.shape[1]:         # no scratch: add the columns

@@ -10,8 +10,15 @@ from typing import Callable
 import torch
 
 # (layer index, q [T, H, d], k [T, Hkv, d], v [T, Hkv, d]) -> o [T, H * d] (heads side by side: the
-# output projection's input, with no reshape left to dispatch); q and k already rotated.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# output projection's input, with no reshape left to dispatch); q and k already rotated. A caller
+# whose K and V heads lie side by side passes them as one k [T, 2 Hkv, d] (K heads, then V heads)
+# and v=None: the paged cache then writes them in one op (`kv_halves` splits them).
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def kv_halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [T, Hkv, d] of a side-by-side kv [T, 2 Hkv, d] (AttentionFn's v=None form)."""
+    return kv.split(kv.shape[1] // 2, dim=1)
 
 
 @dataclass(frozen=True)

@@ -238,17 +238,13 @@ class SelfAttention(nn.Module):
         t, dims = h.shape[0], self.dims
         heads, kv_heads = dims.num_heads, dims.num_kv_heads
         qkv = self.qkv(h).view(t, heads + 2 * kv_heads, dims.head_dim)
-        if self.q_norm is None and self.clip_qkv is None:
-            q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
-        else:
-            qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
-            if self.q_norm is not None:   # per-head RMSNorm after projection, before RoPE
-                qk = self.q_norm.weight_free(qk) * self._qk_norm_weight(heads, kv_heads)
-            if self.clip_qkv is not None:
-                c = self.clip_qkv
-                qk, v = qk.clamp(-c, c), v.clamp(-c, c)
-            q, k = rot.rotate_(qk).split([heads, kv_heads], dim=1)   # q and k in one call
-        return self.o_proj(attn(layer, q, k, v))                        # attn: [T, H * d]
+        if self.q_norm is not None:       # per-head RMSNorm after projection, before RoPE,
+            qk = qkv.split([heads + kv_heads, kv_heads], dim=1)[0]    # written back in place
+            torch.mul(self.q_norm.weight_free(qk), self._qk_norm_weight(heads, kv_heads), out=qk)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        q, kv = rotate_qk(qkv, heads, kv_heads, rot)          # K and V side by side: one write
+        return self.o_proj(attn(layer, q, kv))                          # attn: [T, H * d]
 
     def _qk_norm_weight(self, heads: int, kv_heads: int) -> torch.Tensor:
         """[H + Hkv, d]: q_norm's weight per query head, then k_norm's per kv head (one multiply,

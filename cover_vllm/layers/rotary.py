@@ -106,9 +106,10 @@ class Rotation:
 
 
 def rotate_qk(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-              rot: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, H + 2 Hkv, d] -> rotated q [T, H, d], rotated k, v: q and k rotate in one call, in
-    place, so all three stay views of `qkv` (k and v side by side)."""
-    qk, v = qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
-    q, k = rot.rotate_(qk).split([num_heads, num_kv_heads], dim=1)
-    return q, k, v
+              rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H + 2 Hkv, d] -> rotated q [T, H, d] and kv [T, 2 Hkv, d] (rotated K heads, then V
+    heads; AttentionFn's v=None form): q and k rotate in one call, in place, so both stay views
+    of `qkv` and the cache takes K and V in one write."""
+    rot.rotate_(qkv.split([num_heads + num_kv_heads, num_kv_heads], dim=1)[0])
+    q, kv = qkv.split([num_heads, 2 * num_kv_heads], dim=1)
+    return q, kv

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.layers.base import AttentionFn, ModelDims
+from cover_vllm.layers.base import AttentionFn, ModelDims, kv_halves
 from cover_vllm.models.spec import ModelSpec
 
 
@@ -54,7 +54,9 @@ class DenseAttention:
         self.batch, self.seq_len, self.allowed = batch, seq_len, allowed
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+                 v: torch.Tensor | None = None) -> torch.Tensor:
+        if v is None:                                        # k: K and V side by side
+            k, v = kv_halves(k)
         b, n = self.batch, self.seq_len
         q4 = q.view(b, n, q.shape[1], q.shape[2]).transpose(1, 2)   # [B, H, L, d]
         k4 = k.view(b, n, k.shape[1], k.shape[2]).transpose(1, 2)   # [B, Hkv, L, d]

@@ -66,8 +66,8 @@ class LLaDABlock(nn.Module):
         t, dims = x.shape[0], self.dims
         heads, kv_heads = dims.num_heads, dims.num_kv_heads
         qkv = self.qkv(self.attn_norm(x)).view(t, heads + 2 * kv_heads, dims.head_dim)
-        q, k, v = rotate_qk(qkv, heads, kv_heads, rot)
-        x = x + self.attn_out(attn(layer, q, k, v))                   # attn: [T, H * d]
+        q, kv = rotate_qk(qkv, heads, kv_heads, rot)          # K and V side by side: one write
+        x = x + self.attn_out(attn(layer, q, kv))                     # attn: [T, H * d]
         return x + self.ff_out(swiglu(self.gate_up(self.ff_norm(x))))
 
 

@@ -86,13 +86,14 @@ class KVLayout:
 
 
 class LayerKV(tuple):
-    """One layer's (k_cache, v_cache) [slots, Hkv, d]: the two halves of `joint` [slots, 2,
-    Hkv, d], so that one gather reads both (attention/base.py `gather_kv`)."""
+    """One layer's (k_cache, v_cache) [slots, Hkv, d]: the two halves of `joint` [slots,
+    2 Hkv, d] (K heads, then V heads), so that one op writes both and one gather reads both
+    (attention/base.py)."""
 
     joint: torch.Tensor
 
     def __new__(cls, joint: torch.Tensor) -> "LayerKV":
-        pair = super().__new__(cls, joint.unbind(1))
+        pair = super().__new__(cls, joint.split(joint.shape[1] // 2, dim=1))
         pair.joint = joint
         return pair
 
@@ -101,7 +102,7 @@ class KVCache:
     """`num_pages * page_size` paged slots, then `num_scratch` scratch slots: where a COVER step
     writes its seeds' fresh K/V (attention/layout.py `build_metadata(scratch=...)`), so the
     cached K/V at a seed's own slot stay and the forward needs no per-layer gather of them.
-    A layer's K and V share one tensor [slots, 2, Hkv, d] (`LayerKV`); `k[i]` and `v[i]` are
+    A layer's K and V share one tensor [slots, 2 Hkv, d] (`LayerKV`); `k[i]` and `v[i]` are
     its halves. With `pad_slot`, one slot more after those: the one every padded row of a CUDA
     graph's batch writes to and reads (worker/cuda_graphs.py), never a real key."""
 
@@ -109,7 +110,7 @@ class KVCache:
                  device: str | torch.device = "cpu", num_scratch: int = 0,
                  pad_slot: bool = False):
         num_slots = num_pages * page_size
-        shape = (num_slots + num_scratch + int(pad_slot), 2, dims.num_kv_heads, dims.head_dim)
+        shape = (num_slots + num_scratch + int(pad_slot), 2 * dims.num_kv_heads, dims.head_dim)
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch = (num_slots, num_scratch) if num_scratch else None   # (first slot, slots)
         self.pad_slot = num_slots + num_scratch if pad_slot else None

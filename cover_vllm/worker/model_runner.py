@@ -15,6 +15,7 @@ import torch
 from cover_vllm.attention import AttentionBackend, build_metadata
 from cover_vllm.attention.layout import move_to
 from cover_vllm.host_transfer import HostTransfer
+from cover_vllm.layers.base import kv_halves
 from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
@@ -136,14 +137,16 @@ class ModelRunner:
         also records the statistics on their layer."""
         cache, backend = self.cache, self.backend
 
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor | None = None) -> torch.Tensor:
             if stats is None or layer != stats.layer:
                 return backend.forward(q, k, v, cache.layer(layer), meta)
             if stats.drift is not None:
                 old = cache.k[layer].index_select(0, meta.write_slots)
             o, keys = backend.forward(q, k, v, cache.layer(layer), meta, return_keys=True)
             if stats.drift is not None:
-                written = k.index_select(0, meta.write_index)
+                fresh_k = k if v is not None else kv_halves(k)[0]    # v None: k is K and V
+                written = fresh_k.index_select(0, meta.write_index)
                 stats.drift.index_copy_(0, meta.write_index, key_drift(written, old))
             if stats.any_rows:                 # else no row is still masked: no mass to measure
                 stats.attn_in = attention_in_mass(q, keys, meta, stats.index, stats.real)
