@@ -81,6 +81,20 @@ def test_cuda_timers_read_the_device_clock(fake_cuda):
         assert clock.device_s() is None
 
 
+def test_cuda_times_the_decide_phase_with_events(fake_cuda):
+    clock = StepClock.observed(torch.device("cuda", 1), [object()], vocab=50)
+    with clock.deciding():
+        pass
+    assert clock.decide_s() == pytest.approx(7.5e-3)
+    # a CPU engine times it op by op only when an observer asks; unobserved, never
+    cpu = torch.device("cpu")
+    for observers in ([object()], []):
+        clock = StepClock.observed(cpu, observers, vocab=50)
+        with clock.deciding():
+            torch.randn(2, 50).softmax(-1)
+        assert clock.decide_s() is None
+
+
 def test_the_best_of_repeated_device_timings(monkeypatch):
     took = iter([5.0, 0.3, 0.2, 0.4])                  # the first is the warm-up
     monkeypatch.setattr(machine, "cuda_seconds", lambda fn: next(took))
