@@ -13,8 +13,9 @@ import torch
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.benchmarks import machine
 from cover_vllm.benchmarks.report import format_table
-from cover_vllm.benchmarks.step_ops import count_row_ops
+from cover_vllm.benchmarks.step_ops import count_row_ops, decide_ms_per_step
 from cover_vllm.engine import timing
+from cover_vllm.engine.observer import StepRecord, StepTimes
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.entrypoints.cli import build_parser, main
 
@@ -80,6 +81,20 @@ def test_cuda_timers_read_the_device_clock(fake_cuda):
         assert clock.device_s() is None
 
 
+def test_cuda_times_the_decide_phase_with_events(fake_cuda):
+    clock = StepClock.observed(torch.device("cuda", 1), [object()], vocab=50)
+    with clock.deciding():
+        pass
+    assert clock.decide_s() == pytest.approx(7.5e-3)
+    # a CPU engine times it op by op only when an observer asks; unobserved, never
+    cpu = torch.device("cpu")
+    for observers in ([object()], []):
+        clock = StepClock.observed(cpu, observers, vocab=50)
+        with clock.deciding():
+            torch.randn(2, 50).softmax(-1)
+        assert clock.decide_s() is None
+
+
 def test_the_best_of_repeated_device_timings(monkeypatch):
     took = iter([5.0, 0.3, 0.2, 0.4])                  # the first is the warm-up
     monkeypatch.setattr(machine, "cuda_seconds", lambda fn: next(took))
@@ -102,6 +117,40 @@ def test_steps_carry_device_time_only_where_events_ran(tiny, monkeypatch):
     tiny.generate(["1+1="], params, use_tqdm=False)
     rows, tiny.engine.step_times = tiny.engine.step_times, None
     assert rows and all(r["device_forward"] == 0.004 for r in rows)
+
+
+def test_cpu_steps_time_the_decoders_work_on_the_logits(tiny):
+    """On a CPU engine the strategy phase's ops on the logits are timed (`decide_device`), a
+    part of that phase, when an observer asks for it, and `host_s` leaves them out; the
+    bench's untimed pass reads their mean."""
+    params = SamplingParams(max_tokens=8, block_length=8, decoding="low_confidence")
+    tiny.engine.step_times = []
+    tiny.generate(["1+1="], params, use_tqdm=False)
+    rows, tiny.engine.step_times = tiny.engine.step_times, None
+    assert rows and all(r["decide_device"] is None for r in rows)       # not asked for
+    times = StepTimes(times_logits=True)
+    tiny.engine.add_observer(times)
+    tiny.generate(["1+1="], params, use_tqdm=False)
+    tiny.engine.remove_observer(times)
+    rows = times.rows
+    assert rows and all(0 < r["decide_device"] <= r["strategy"] for r in rows)
+    assert 0 < decide_ms_per_step(tiny, ["1+1="], params) < 1e3 * sum(r["strategy"]
+                                                                       for r in rows)
+    record = StepRecord(**rows[0])
+    assert record.host_s == pytest.approx(sum(rows[0][p] for p in ("schedule", "prepare",
+                                                                   "strategy", "update"))
+                                          - rows[0]["decide_device"])
+
+
+def test_logits_op_timer_counts_only_ops_on_the_logits():
+    """Only ops with a [..., vocab] argument or result count as work on the logits."""
+    with timing.LogitsOpTimer(vocab=50) as timer:
+        torch.ones(4, 3).sum()
+        torch.ones(50, 4).sum(0)                        # [4]
+    assert timer.seconds == 0
+    with timing.LogitsOpTimer(vocab=50) as timer:
+        torch.randn(4, 50).softmax(-1)
+    assert timer.seconds > 0
 
 
 def test_ops_per_step_of_a_cpu_engine(tiny):

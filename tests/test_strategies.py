@@ -261,3 +261,24 @@ def test_greedy_scored_proposal_matches_the_general_path(dtype):
     assert int(tokens[1, 2]) == 0 or not bool(rows[1, 2])     # first index of the tie
     hot_tokens, hot_probs = propose_scored(batch(1.0), rows, dtype)   # the general path
     assert hot_probs.dtype == dtype and bool((hot_probs[rows] > 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_chunked_greedy_equals_max_indices(dtype):
+    """`greedy`'s CPU path (chunk maxima, then the first chunk holding the row's maximum) gives
+    `max(dim)`'s indices bit for bit: ties across and within chunks go to the first index, a
+    row of -inf gives 0, a NaN wins as it does in `max`; a vocabulary that does not split into
+    chunks, and a non-contiguous tensor, take `max(dim)` itself."""
+    from cover_vllm.strategies.sampling import GREEDY_CHUNK, greedy
+
+    gen = torch.Generator().manual_seed(0)
+    v = 8 * GREEDY_CHUNK
+    logits = torch.randint(0, 4, (6, 7, v), generator=gen).to(dtype)   # ties everywhere
+    logits[0, 0] = float("-inf")
+    logits[0, 1, 5 * GREEDY_CHUNK + 3] = float("nan")
+    logits[0, 1, 6 * GREEDY_CHUNK] = float("nan")
+    logits[0, 2, -1] = 9.0                                 # the last column
+    for x in (logits, torch.randn(40, v, generator=gen).to(dtype), logits[:, :, :v - 4],
+              logits.transpose(0, 1), logits[:0]):
+        assert torch.equal(greedy(x), x.max(dim=-1).indices)
+    assert int(greedy(logits)[0, 1]) == 5 * GREEDY_CHUNK + 3

@@ -1,7 +1,8 @@
 """`cover-vllm bench latency`: one request per decoding, per-step time split by engine phase.
 
 Phases: schedule, prepare (batch layout), forward (the model), strategy (decide, and the
-decisions' copy to the host), update; `host_ms` is everything but the forward and `host_bytes`
+decisions' copy to the host), update; `decide_ms` is the decoders' work on the logits' device
+(engine/timing.py), `host_ms` everything but the forward and that, and `host_bytes`
 what a step copies from the device to the host (0 on a CPU engine); on CUDA `device_ms` is the
 forward's span on the device (CUDA events; None elsewhere).
 Window steps (not refreshes) are reported separately, so decoders are compared over the same
@@ -63,7 +64,9 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
             for phase in PHASES:
                 row[f"{phase}_ms"] = 1e3 * statistics.mean(t[phase] for t in window)
             row["step_ms"] = sum(row[f"{p}_ms"] for p in PHASES)
-            row["host_ms"] = row["step_ms"] - row["forward_ms"]     # everything but the model
+            decide = [t["decide_device"] for t in window]   # the decoders' work on the logits
+            row["decide_ms"] = None if None in decide else 1e3 * statistics.mean(decide)
+            row["host_ms"] = row["step_ms"] - row["forward_ms"] - (row["decide_ms"] or 0.0)
             row["host_bytes"] = statistics.mean(t["host_bytes"] for t in window)
             device = [t["device_forward"] for t in window]
             row["device_ms"] = None if None in device else 1e3 * statistics.mean(device)
@@ -77,10 +80,11 @@ def run_latency(spec: ThroughputSpec, repeats: int = 3) -> list[dict]:
 
 
 def format_latency(rows: list[dict]) -> str:
-    cols = ["decoding", "kv_cache", "nfe", *[f"{p}_ms" for p in PHASES], "step_ms", "host_ms",
-            "host_bytes", "device_ms", "vs_first", "request_ms"]
-    if all(r.get("device_ms") is None for r in rows):
-        cols.remove("device_ms")                     # measured on CUDA only
+    cols = ["decoding", "kv_cache", "nfe", *[f"{p}_ms" for p in PHASES], "step_ms", "decide_ms",
+            "host_ms", "host_bytes", "device_ms", "vs_first", "request_ms"]
+    for col in ("device_ms", "decide_ms"):           # CUDA only; not on meta
+        if all(r.get(col) is None for r in rows):
+            cols.remove(col)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]

@@ -15,6 +15,7 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
            ("mfu", "{:.1%}"), ("mfu_bound", "{:.1%}"), ("mbu", "{:.1%}"),
            ("flop_ratio_vs_reference", "{:.2f}x"), ("refreshes", "{:.2f}"),
            ("flops_per_token", "{:.4g}"), ("prefix_hit_rate", "{:.1%}"),
+           ("forward_ms_per_step", "{:.2f}"), ("decide_ms_per_step", "{:.2f}"),
            ("host_ms_per_step", "{:.2f}"), ("host_bytes_per_step", "{:.0f}"),
            ("canvas_steps", "{:.1f}"), ("accepted_per_step", "{:.2f}"),
            ("encoder_flop_share", "{:.1%}"), ("device_ms_per_step", "{:.2f}"),
@@ -30,6 +31,14 @@ def rates_text(row) -> str:
     if row.mfu is None:
         return "MFU - (shapes only)"
     return f"MFU {row.mfu:.0%} (bound {row.mfu_bound:.0%}, MBU {row.mbu:.0%})"
+
+
+def step_text(row) -> str:
+    """'forward F, decide D, host H ms/step': a step's time in its three parts (the decide is
+    the decoders' work on the logits' device; host, what is left: engine/timing.py)."""
+    decide = "-" if row.decide_ms_per_step is None else f"{row.decide_ms_per_step:.1f}"
+    return (f"forward {row.forward_ms_per_step:.1f}, decide {decide}, host "
+            f"{row.host_ms_per_step:.1f} ms/step")
 
 
 def device_text(row) -> str:

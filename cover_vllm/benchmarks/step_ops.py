@@ -13,6 +13,9 @@ under `OpCounter` (benchmarks/op_count.py), with a second counter around the exe
 
 Counts are the driver's: the ops of other tensor-parallel ranks (other processes) and of other
 threads are not seen. Means are over the steps that ran the model.
+
+`decide_ms_per_step`: on a CPU engine, the decoders' work on the logits (engine/timing.py) from
+one more untimed pass, since timing every op slows the host's share of the steps it times.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import statistics
 
 from cover_vllm.benchmarks.op_count import OpCounter
+from cover_vllm.engine.observer import StepTimes
 
 
 class _CountedForward:
@@ -63,3 +67,21 @@ def count_row_ops(llm, prompts: list, params) -> dict:
     return {"device_ops_per_step": None if cpu else mean[0],
             "launches_per_step": None if cpu else mean[1], "host_ops_per_step": mean[2],
             "forward_ops_per_step": mean[3], "counted_steps": len(steps)}
+
+
+def decide_ms_per_step(llm, prompts: list, params) -> float | None:
+    """ms per step the decoders spent in aten ops on the logits (`StepRecord.decide_device`),
+    the mean over one untimed run of `prompts` with the CPU engine's op timer on (every op of
+    the strategy phase dispatched through Python, so that run's other phases read slow); None
+    off the CPU (CUDA times it with events in the timed run itself; meta has no such work)."""
+    engine = llm.engine
+    if engine.device.type != "cpu":
+        return None
+    llm.reset_prefix_cache()            # the pass decodes what the timed run decoded
+    times = StepTimes(times_logits=True)
+    engine.add_observer(times)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.remove_observer(times)
+    return 1e3 * sum(r["decide_device"] for r in times.rows) / max(len(times.rows), 1)

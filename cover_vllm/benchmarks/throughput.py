@@ -15,9 +15,10 @@ GEMM rate measured in the row's own dtype (a bf16 row against the bf16 peak) on 
 model runs on (benchmarks/machine.py: CUDA rows against the GPU's own peaks); an MFU above 100 %
 is logged as the bug it is. Compare ratios within one run. With `repeats` > 1 every combination
 runs that many times, round-robin (so a machine whose speed drifts slows every row alike), and
-its row reports the run of median time. On CUDA a row also reports the forward's device time
-per step (CUDA events); `count_ops` adds the ops of every step (benchmarks/step_ops.py).
-"""
+its row reports the run of median time. A step's time is split three ways: the forward, the
+decoders' work on the logits' device (CPU: from one more, untimed pass) and the host's share,
+the rest (engine/timing.py). On CUDA a row also reports the forward's device time per step
+(CUDA events); `count_ops` adds the ops of every step (benchmarks/step_ops.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ import torch
 from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
                                            forward_weight_bytes, machine_info, mfu_bound,
                                            pin_threads, step_flops, utilization)
-from cover_vllm.benchmarks.report import device_text, rates_text, spread_text
-from cover_vllm.benchmarks.step_ops import count_row_ops
+from cover_vllm.benchmarks.report import device_text, rates_text, spread_text, step_text
+from cover_vllm.benchmarks.step_ops import count_row_ops, decide_ms_per_step
 from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
@@ -108,8 +109,14 @@ class ThroughputRow:
     prefix_hit_rate: float | None = None   # prompt tokens found in the prefix cache / looked
                                            # up, over the row's requests (None: no lookups:
                                            # prefix caching off, full attention, kv_cache none)
-    host_ms_per_step: float = 0.0      # a step's wall time outside the model forward (mean):
-                                       # scheduling, layout, decisions, their copy, updates
+    host_ms_per_step: float = 0.0      # a step's wall time the device waits for the host
+                                       # (mean): outside the forward and the decoders' work on
+                                       # the logits (scheduling, layout, the decisions' Python
+                                       # and small ops, their copy, updates; engine/timing.py)
+    forward_ms_per_step: float = 0.0   # the model forward (the executor call minus layout)
+    decide_ms_per_step: float | None = None   # the decoders' work on the logits' device (CPU:
+                                              # time inside the aten ops on the logits; CUDA:
+                                              # their span by events; None on meta)
     host_bytes_per_step: float = 0.0   # bytes copied from the device to the host per step
                                        # (0 on a CPU engine: nothing moves)
     canvas_steps: float | None = None  # uniform-state: decoder steps per canvas (mean)
@@ -236,9 +243,11 @@ class _Run(NamedTuple):
     flops: float             # model FLOPs of every step
     forwards: int            # engine steps
     peak_kv_pages: int
-    host_ms: float           # per step, outside the forward (mean)
+    host_ms: float           # per step, outside the forward and the decide (mean)
     host_bytes: float        # per step, device to host (mean)
     device_ms: float | None  # per step, the forward on the device (CUDA events; else None)
+    forward_ms: float        # per step, the forward on the host clock (mean)
+    decide_ms: float | None  # per step, the decoders' work on the logits (None: not timed)
 
 
 def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
@@ -257,14 +266,18 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
         flops = sum(o.metrics.flops for o in outs)
     else:
         flops = sum(step_flops(engine.executor.model.dims, per_token, t) for t in times)
-    overhead = 1.0 - sum(t["forward"] for t in times) / total if total else 0.0
+    forward = sum(t["forward"] for t in times)
+    overhead = 1.0 - forward / total if total else 0.0
     steps = max(len(times), 1)
-    host_ms = 1e3 * (total - sum(t["forward"] for t in times)) / steps
+    decide = [t["decide_device"] for t in times]        # CUDA: events; CPU: one more pass
+    decide_ms = (1e3 * sum(decide) / steps if times and None not in decide else
+                 decide_ms_per_step(llm, work.prompts[:engine.config.max_num_seqs], sp))
+    host_ms = 1e3 * (total - forward) / steps - (decide_ms or 0.0)
     host_bytes = sum(t["host_bytes"] for t in times) / steps
     device = [t["device_forward"] for t in times]
     device_ms = (1e3 * sum(device) / steps if times and None not in device else None)
     return _Run(outs, seconds, overhead, flops, len(times), engine.pool.peak_used, host_ms,
-                host_bytes, device_ms)
+                host_bytes, device_ms, 1e3 * forward / steps, decide_ms)
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
@@ -315,8 +328,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         """Append and log the row of one combination from its runs (the median run's times)."""
         decoding, kv, refresh = combo
         median = statistics.median_low(run.seconds for run in measured)
-        outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes, \
-            device_ms = next(run for run in measured if run.seconds == median)
+        run = next(run for run in measured if run.seconds == median)
+        outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = run[:8]
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
                                                    getattr(torch, dtype),
                                                    llm.engine.quantization)
@@ -346,7 +359,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             mbu=streamed / seconds / (read_gbps * 1e9), repeats=len(measured),
             tokens_per_s_runs=tuple(tokens / run.seconds for run in measured),
             prefix_hit_rate=prefix_hit_rate(ms), host_ms_per_step=host_ms,
-            host_bytes_per_step=host_bytes, device_ms_per_step=device_ms,
+            host_bytes_per_step=host_bytes, device_ms_per_step=run.device_ms,
+            forward_ms_per_step=run.forward_ms, decide_ms_per_step=run.decide_ms,
             **_canvas_stats(ms, work), **counts[combo])
         if spec.device == "meta":           # no arithmetic ran: rates against peaks mean nothing
             row = dataclasses.replace(row, mfu=None, mfu_bound=None, mbu=None)
@@ -357,7 +371,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
             f"{row.tokens_per_s:8.1f} tok/s  {rates_text(row)}{canvas}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
-            f"{overhead:.0%}  host {host_ms:.1f} ms/step, {host_bytes / 1e3:.1f} kB/step to "
+            f"{overhead:.0%}  {step_text(row)}, {host_bytes / 1e3:.1f} kB/step to "
             f"the host{device_text(row)}  ({seconds:.1f}s{spread_text(row)})")
 
     combos = [(decoding, kv, refresh) for decoding in spec.decodings for kv, refresh in caches]

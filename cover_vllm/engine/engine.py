@@ -253,7 +253,7 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
-        clock = StepClock(self.device if self._observers else None)   # CUDA: event pair
+        clock = StepClock.observed(self.device, self._observers, self.spec.vocab_size)
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
@@ -265,10 +265,11 @@ class Engine:
         clock.stop_device()                   # observed on CUDA: waits for the forward
         clock.lap("forward")
         self._account(out, result)
-        decisions = self.stage.decide(out, self._requests, result, self._observers,
-                                      self.transfer)
-        canvas = (run_canvas_decoders(out.canvas_items, self._requests, result, self.transfer)
-                  if out.canvas_items else {})
+        with clock.deciding():                # observed: the decoders' work on the logits
+            decisions = self.stage.decide(out, self._requests, result, self._observers,
+                                          self.transfer)
+            canvas = (run_canvas_decoders(out.canvas_items, self._requests, result,
+                                          self.transfer) if out.canvas_items else {})
         clock.lap("strategy")
         outputs = self._apply(out, decisions) + self._apply_canvases(out, canvas)
         if out.score_items:                 # likelihood scoring: fold in the forward's totals
@@ -276,10 +277,9 @@ class Engine:
         clock.lap("update")
         if self._observers:
             self._notify("on_step", StepRecord.of(
-                clock.laps, result.prepare_s, out,
+                clock, result.prepare_s, out,
                 host_copies=result.host_copies + self.transfer.copies - copies,
-                host_bytes=result.host_bytes + self.transfer.bytes - moved,
-                device_forward=clock.device_s()))
+                host_bytes=result.host_bytes + self.transfer.bytes - moved))
         return outputs
 
     def schedule(self) -> SchedulerOutput:

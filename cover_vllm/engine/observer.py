@@ -26,7 +26,7 @@ class StepRecord:
     schedule: float       # admission, the strategies' plans, packing
     prepare: float        # the runner laying out the batch (its share of the executor call)
     forward: float        # the model forward (the executor call minus `prepare`)
-    strategy: float       # the strategies' decisions
+    strategy: float       # the strategies' decisions (`decide_device` of it on the logits)
     update: float         # applying them: canvases, blocks, stop checks, outputs
     num_tokens: int       # query rows of the forward
     num_seqs: int         # work items
@@ -37,10 +37,16 @@ class StepRecord:
     host_bytes: int = 0   # bytes they brought to the host
     device_forward: float | None = None   # CUDA: the executor call's span on the device
                                           # (CUDA events); None on any other device
+    decide_device: float | None = None    # of `strategy`, the decoders' work on the logits'
+                                          # device (engine/timing.py: CUDA events; on the CPU
+                                          # the time inside the aten ops on the logits); None
+                                          # on meta
 
     @classmethod
-    def of(cls, laps: dict[str, float], prepare_s: float, out, host_copies: int = 0,
-           host_bytes: int = 0, device_forward: float | None = None) -> "StepRecord":
+    def of(cls, clock, prepare_s: float, out, host_copies: int = 0,
+           host_bytes: int = 0) -> "StepRecord":
+        """The record of a step timed by `clock` (engine/timing.py StepClock)."""
+        laps = clock.laps
         shapes = [item_shape(i) for i in out.items]       # cover_vllm/flops.py
         for item in out.canvas_items:                     # uniform-state: encoder + decoder
             (n, enc), (c, dec) = canvas_item_shapes(item)
@@ -52,19 +58,25 @@ class StepRecord:
                    num_refresh=sum(i.is_refresh for i in out.items),
                    attn_pairs=sum(p for _, p, _ in shapes), logit_rows=sum(r for _, _, r in shapes),
                    host_copies=host_copies, host_bytes=host_bytes,
-                   device_forward=device_forward)
+                   device_forward=clock.device_s(), decide_device=clock.decide_s())
 
     @property
     def host_s(self) -> float:
-        """Seconds of the step outside the model forward: the host's share."""
-        return self.schedule + self.prepare + self.strategy + self.update
+        """Seconds of the step the device would wait for the host: everything outside the
+        model forward and the decoders' work on the logits (engine/timing.py)."""
+        return (self.schedule + self.prepare + self.strategy - (self.decide_device or 0.0)
+                + self.update)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class StepObserver:
-    """Base of step observers: every hook does nothing; override the ones you need."""
+    """Base of step observers: every hook does nothing; override the ones you need. With
+    `times_logits` a CPU engine times the decoders' ops on the logits (`decide_device`) at a
+    cost to the host's share of those steps (engine/timing.py LogitsOpTimer)."""
+
+    times_logits = False
 
     def on_schedule(self, out) -> None:
         """The step's packed SchedulerOutput, before the forward."""
@@ -79,8 +91,9 @@ class StepObserver:
 class StepTimes(StepObserver):
     """Collects every step's record as a dict (phase seconds and batch shape) in `rows`."""
 
-    def __init__(self, rows: list[dict] | None = None):
+    def __init__(self, rows: list[dict] | None = None, times_logits: bool = False):
         self.rows = [] if rows is None else rows
+        self.times_logits = times_logits
 
     def on_step(self, record: StepRecord) -> None:
         self.rows.append(record.as_dict())

@@ -12,6 +12,15 @@ from cover_vllm.entrypoints.cli_types import (csv, dtypes, json_obj, positive_in
 from cover_vllm.entrypoints.engine_flags import MODEL_HELP, add_engine_flags
 from cover_vllm.entrypoints.generate_cli import add_generate_parser
 
+THROUGHPUT_TIMES = (
+    "Every (dtype, decoding, kv_cache, cache_refresh, batch size) row, timed. A step's time is "
+    "reported in three parts: forward ms/step (the model forward), decide ms/step (the "
+    "decoders' work on the logits' device: on CUDA the span of its kernels, on the CPU the time "
+    "inside the aten ops that read or write a [.., vocabulary] tensor) and host ms/step (the "
+    "rest: the time the device would wait for the host -- scheduling, batch layout and "
+    "metadata, the decoders' Python and small per-row ops, the decisions' copy, updates). "
+    "'overhead' is the share of the step outside the forward (decide included).")
+
 
 def _cache_choices(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """--kv-cache and --cache-refresh lists, validated (ValueError naming the bad value)."""
@@ -279,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    t = b.add_parser("throughput", help="tokens/s per dtype x decoding x kv_cache x batch size")
+    t = b.add_parser("throughput", help="tokens/s per dtype x decoding x kv_cache x batch size",
+                     description=THROUGHPUT_TIMES)
     _bench_common(t, several_dtypes=True)
     t.add_argument("--batch-size", type=positive_ints, default=(1,),
                    help="batch sizes, comma-separated")

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
-from cover_vllm.strategies.llada import propose
-from cover_vllm.strategies.sampling import Rows, topk_mask
+from cover_vllm.strategies.llada import plain_greedy, propose
+from cover_vllm.strategies.sampling import Rows, greedy, topk_mask
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,10 @@ class Cover(Strategy):
         # the only rows a decision reads: the block's [MASK]s (drafts) and the seeds (checks);
         # a float64 softmax over the whole view's vocabulary cost most of a step's decision
         rows = Rows(candidates | seeds)
-        draft_tokens, logits = propose(batch, rows=rows)
-        probs = torch.softmax(rows.take(logits).to(torch.float64), dim=-1)     # [N, V]
+        picked = rows.take(batch.logits)                   # [N, V], read once when greedy
+        draft_tokens = (rows.put(greedy(picked), 0) if plain_greedy(batch) else
+                        propose(batch, rows=rows)[0])
+        probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
         cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
         cand_conf = cand_conf.masked_fill(~candidates, float("-inf"))   # = threshold's float64
         draft = topk_mask(cand_conf, 1)
@@ -252,7 +254,7 @@ class Cover(Strategy):
         # each seed's leave-one-out row: its argmax, that one's probability, its own token's
         checks = Rows(seeds, within=rows)
         loo = checks.take(probs)                                             # [S, V]
-        best = checks.put(loo.argmax(-1), 0)
+        best = checks.put(greedy(loo), 0)                   # argmax, first on ties
         conf = checks.put(loo.amax(-1), 0.0)
         own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
         own = checks.put(loo.gather(-1, own_token[:, None])[:, 0], 0.0)

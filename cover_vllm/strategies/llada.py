@@ -69,14 +69,20 @@ def propose(batch: StepBatch, rows: torch.Tensor | Rows | None = None
     return tokens, batch.logits
 
 
+def plain_greedy(batch: StepBatch) -> bool:
+    """Whether every request decodes greedily and untruncated (temperature 0, no top-k or
+    top-p): then `propose`'s tokens are the argmax of the model's own logits."""
+    return not bool((batch.temperature > 0).any() or (batch.top_k > 0).any()
+                    or (batch.top_p < 1.0).any())
+
+
 def propose_scored(batch: StepBatch, rows: torch.Tensor | Rows,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`propose(batch, rows)`'s tokens and each one's softmax probability in `dtype` on `rows`
     (0 elsewhere): the same values as `token_prob`. When every request decodes greedily and
     untruncated (the common case) both read one compact copy of the rows."""
     rows = as_rows(rows)
-    if bool((batch.temperature > 0).any() or (batch.top_k > 0).any()
-            or (batch.top_p < 1.0).any()):
+    if not plain_greedy(batch):
         tokens, logits = propose(batch, rows=rows)
         return tokens, token_prob(logits, tokens, dtype, rows=rows)
     picked = rows.take(batch.logits)                                         # [N, V]

@@ -102,10 +102,30 @@ def take_rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return Rows(rows).take(logits)
 
 
+GREEDY_CHUNK = 128       # vocabulary columns per chunk of the CPU argmax
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim, first index on ties (as `argmax`): `max(dim)`'s indices, the
-    same tokens 2.7x (fp32) to 4.7x (bf16) faster on CPU (measured at [320, 16384])."""
-    return logits.max(dim=-1).indices
+    same tokens 2.7x (fp32) to 4.7x (bf16) faster on CPU than `argmax` (measured at
+    [320, 16384]).
+
+    On the CPU, for a contiguous tensor whose vocabulary splits into chunks of GREEDY_CHUNK,
+    two steps instead: the vectorised `amax` of every chunk, then `max(dim)` over the chunk
+    maxima (the first chunk holding the row's maximum) and within that chunk. The same index
+    bit for bit (first on ties; a NaN, like `max`, wins and the first one is returned),
+    5.6x faster than one `max(dim)` over [264, 16384] fp32 (0.65 against 3.64 ms, one
+    thread): `max(dim)` with indices runs a scalar loop on the CPU, `amax` a vectorised one.
+    Elsewhere (a GPU: one kernel is cheaper than five) `max(dim)` as before."""
+    vocab = logits.shape[-1]
+    if logits.device.type != "cpu" or not logits.is_contiguous() or vocab % GREEDY_CHUNK \
+            or vocab == GREEDY_CHUNK or logits.numel() == 0:
+        return logits.max(dim=-1).indices
+    lead = logits.shape[:-1]
+    chunks = logits.view(*lead, vocab // GREEDY_CHUNK, GREEDY_CHUNK)
+    first = chunks.amax(-1).max(dim=-1).indices                        # [...] chunk index
+    inside = chunks.gather(-2, first[..., None, None].expand(*lead, 1, GREEDY_CHUNK))
+    return first * GREEDY_CHUNK + inside.squeeze(-2).max(dim=-1).indices
 
 
 def hot_rows(temperature: torch.Tensor) -> list[int]:
