@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cover_vllm.attention.base import SeqLayout, gather_pages
+from cover_vllm.attention.base import SeqLayout, gather_heads
 from cover_vllm.attention.layout import build_metadata
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 
@@ -22,7 +22,7 @@ def test_attention_in_mass_is_the_mean_head_mass_from_the_selected_rows(heads):
     t = sum(n for _, _, n in specs)
     q = torch.randn(t, num_heads, dim, generator=gen)
     cache = torch.randn(offset, num_kv, dim, generator=gen)
-    keys = gather_pages(cache, meta.key_slots)
+    keys = gather_heads(cache, meta.key_slots).transpose(1, 2)      # [B, Kmax, Hkv, d]
     rows = torch.rand(t, generator=gen) < 0.5
     rows[t - 3:] = False                           # a sequence with no selected row: zero mass
     pieces = list(rows.split([n for _, _, n in specs]))

@@ -234,12 +234,12 @@ def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return flat if meta.dense_queries else flat[meta.out_index]
 
 
-def gather_pages(cache: torch.Tensor, slots: torch.Tensor,
+def gather_heads(pool: torch.Tensor, slots: torch.Tensor,
                  flat: torch.Tensor | None = None) -> torch.Tensor:
-    """cache [slots, ...] at slots [B, K] -> [B, K, ...] (index_select: ~1.6x faster on CPU
-    than 2-D advanced indexing); `flat`: the slots already flattened [B * K]."""
+    """pool [slots, H, d] at slots [B, K] -> [B, H, K, d], SDPA's layout (index_select: ~1.6x
+    faster on CPU than 2-D advanced indexing); `flat`: the slots already flattened [B * K]."""
     flat = slots.reshape(-1) if flat is None else flat
-    return cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
+    return heads_first(pool.index_select(0, flat), *slots.shape)
 
 
 def gather_kv(cache, slots: torch.Tensor,
@@ -255,7 +255,7 @@ def gather_kv(cache, slots: torch.Tensor,
         heads = both.shape[1] // 2
         return (heads_first(both, b, k, heads),
                 heads_first(both, b, k, heads, offset=heads * both.stride(1)))
-    return tuple(heads_first(c.index_select(0, flat), b, k) for c in cache)
+    return tuple(gather_heads(c, slots, flat) for c in cache)
 
 
 class AttentionBackend(ABC):
@@ -330,12 +330,12 @@ class AttentionBackend(ABC):
                values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Window rows' attention over gathered keys/values [B, Hkv, Kmax, d] (with
         `fresh_columns()` and a scratch region: [B, Hkv, Kmax + Smax, d], the seeds' fresh K/V
-        last) with
-        the override views. q/k/v hold the window tokens only ([Tm, ...]). Returns [Tm, H * d]."""
+        last) with the override views. q/k/v hold the window tokens only ([Tm, ...]; None when
+        `_reads_fresh_kv` says no path reads them). Returns [Tm, H * d]."""
 
     @abstractmethod
     def attend_extra(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Extra rows' attention: keys = the canvas [B, Hkv, Kmax, d] then the extra rows' own
-        fresh K/V,
-        masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns [Te, H * d]."""
+        fresh K/V, masked by `meta.ex_allowed`. q/k/v are the whole flat axis. Returns
+        [Te, H * d]."""

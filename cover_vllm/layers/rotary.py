@@ -80,10 +80,6 @@ class Rotation:
     def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int):
         self.cos, self.signed_sin, self.rotary_dim = cos, signed_sin, rotary_dim
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> a rotated copy (`rotate_` on a clone)."""
-        return self.rotate_(x.clone())
-
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] in place (x may be a view, such as the q|k heads of
         the fused q|k|v output) and return it: x·cos + rotate_half(x)·sin computed in fp32 and

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cover_vllm.attention.base import gather_heads
 from cover_vllm.models.gemma4_config import SLIDING
 
 
@@ -158,12 +159,6 @@ class DenseDecoderAttention:
         return o.transpose(1, 2).reshape(b * self.canvas, -1)
 
 
-def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """pool [slots, KV, d] at slots [B, K] -> [B, KV, K, d]."""
-    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape,
-                                                        *pool.shape[1:]).transpose(1, 2)
-
-
 class PagedEncoderAttention:
     """The encoder over a flat batch of sequences' new tokens: writes their K/V into the pools,
     then each sequence's tokens attend over its table (causal, windowed on sliding layers)."""
@@ -205,7 +200,7 @@ class PagedEncoderAttention:
         kind = self.kinds[layer]
         table = self.batch.keys[kind]
         k_pool, v_pool = self.kv.layer(layer)
-        keys, values = _gather(k_pool, table.slots), _gather(v_pool, table.slots)
+        keys, values = gather_heads(k_pool, table.slots), gather_heads(v_pool, table.slots)
         o = _attend(q[self.q_index].transpose(1, 2), keys, values, self.allowed(kind))
         return o.transpose(1, 2).reshape(-1, q.shape[1] * q.shape[2])[self.out_index]
 
@@ -234,9 +229,9 @@ class PagedDecoderAttention:
         kind = self.kinds[layer]
         table = self.batch.keys[kind]
         k_pool, v_pool = self.kv.layer(layer)
-        keys = torch.cat([_gather(k_pool, table.slots),
+        keys = torch.cat([gather_heads(k_pool, table.slots),
                           k.view(b, c, *k.shape[1:]).transpose(1, 2).to(k_pool.dtype)], dim=2)
-        values = torch.cat([_gather(v_pool, table.slots),
+        values = torch.cat([gather_heads(v_pool, table.slots),
                             v.view(b, c, *v.shape[1:]).transpose(1, 2).to(v_pool.dtype)], dim=2)
         q4 = q.view(b, c, *q.shape[1:]).transpose(1, 2)
         o = _attend(q4, keys, values, self.allowed(kind))

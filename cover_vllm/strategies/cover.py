@@ -235,7 +235,6 @@ class Cover(Strategy):
     # ---- after the forward -----------------------------------------------------------------
     def decide(self, batch: StepBatch) -> Decision:
         p = self.params
-        n = batch.tokens.shape[0]
         seeds = torch.zeros_like(batch.valid) if batch.seeds is None else batch.seeds
         candidates = batch.candidates
         # the only rows a decision reads: the block's [MASK]s (drafts) and the seeds (checks);
