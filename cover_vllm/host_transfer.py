@@ -1,4 +1,5 @@
-"""HostTransfer: the device-to-host copies of a step, each one copy however many tensors it brings.
+"""HostTransfer: the copies of a step between host and device, each one copy however many tensors
+it moves (`fetch`: device to host; `to_device`: host to device).
 
 A step's results live on the model's device; the host needs only what it applies: decisions,
 tokens, a few per-request numbers (engine/decide.py), and the attention mass the refresh policy
@@ -13,6 +14,11 @@ a few ops on the device for the whole batch where packing bytes took four per te
 the per-row tensors [n, W_i] of a batch of n rows are laid side by side by one `cat` along their
 second dimension into a [n, sum W_i] view of the buffer, the rest (1-D, or flattened) by one more.
 A device without float64 (MPS) packs bytes instead.
+
+`to_device` is the other direction: the int64 and bool host tensors a step builds (attention
+metadata, token ids, positions, the decoders' canvas rows) ride in one int64 buffer, the bools'
+bytes after the integers, pinned and asynchronous on CUDA; on the device every piece is a view
+of the copy (a split, a reshape, a bool view of the bytes), so the move is one copy and no kernel.
 
 On the CPU nothing moves: the tensors are already where the host reads them and come back as
 they are. On the "meta" device (a shapes-only dry run, tests/test_device.py) there are no values:
@@ -106,3 +112,38 @@ def _pack_bytes(live: list[torch.Tensor]):
                 for t, (start, size) in zip(live, spans)]
 
     return torch.cat(pieces), unpack
+
+
+def to_device(tensors: list[torch.Tensor | None],
+              device: torch.device) -> list[torch.Tensor | None]:
+    """int64 / bool host `tensors` (None stays None) -> the same on `device`, through one
+    int64 buffer: one host->device copy, views on the device (module doc)."""
+    if device.type == "cpu" or all(t is None for t in tensors):
+        return list(tensors)
+    return one_buffer(tensors, device)
+
+
+def one_buffer(tensors: list[torch.Tensor | None],
+               device: torch.device) -> list[torch.Tensor | None]:
+    """`to_device`'s packing, on any device (the CPU included: tests/test_host_transfer.py)."""
+    live = [t for t in tensors if t is not None]
+    longs = [t for t in live if t.dtype == torch.long]
+    bools = [t for t in live if t.dtype == torch.bool]
+    assert len(longs) + len(bools) == len(live), "to_device moves int64 and bool tensors"
+    parts = [t.reshape(-1) for t in longs]
+    num_bools = sum(t.numel() for t in bools)
+    if bools:                                  # their bytes, padded to whole int64 words
+        pad = torch.zeros(-num_bools % ALIGN, dtype=torch.bool)
+        parts.append(torch.cat([t.reshape(-1) for t in bools] + [pad]).view(torch.long))
+    flat = torch.cat(parts)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    sizes = [t.numel() for t in longs]
+    moved = flat.to(device, non_blocking=device.type == "cuda").split(
+        sizes + ([flat.numel() - sum(sizes)] if bools else []))
+    pieces = list(moved[:len(longs)])
+    if bools:
+        pieces += moved[-1].view(torch.bool)[:num_bools].split([t.numel() for t in bools])
+    by_id = {id(t): p for t, p in zip(longs + bools, pieces)}
+    return [None if t is None else by_id[id(t)] if t.dim() == 1 else by_id[id(t)].view(t.shape)
+            for t in tensors]

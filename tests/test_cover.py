@@ -193,7 +193,7 @@ def test_final_verification_waits_only_for_stale_judgements():
     assert d.commit[0].tolist() == [False, False, True] and d.keeps.tolist() == [1]
     # ... except for the tokens the draft made stale: 0 and 1 were judged without it
     assert not strategy.block_done(state, 0)
-    assert strategy._unverified(mem).tolist() == [True, True, False]
+    assert strategy._unverified(mem.conf, mem.stale).tolist() == [True, True, False]
     # a check that keeps both, with nothing else changed, ends the block
     mem.age[:] = 1.0
     assert strategy.select_seeds(state, torch.tensor([1, 2, 4]), 0) == [0, 1]

@@ -159,7 +159,7 @@ def test_decide_matches_the_reference_on_random_batches(params):
             saved = r[6]
             st.extra = CoverState(rho=saved["rho"], drafted=saved["drafted"],
                                   verify_steps=saved["verify_steps"],
-                                  memory=CoverMemory(*saved["mem"].copy()))
+                                  memory=CoverMemory.of(saved["mem"].copy()))
             states.append(st)
         with_stats = rng.random() < 0.7
         batch = StepBatch(
@@ -200,3 +200,78 @@ def test_decide_matches_the_reference_on_random_batches(params):
     assert verdicts["commit"] > 0 and verdicts["replace"] > 0       # the cases were exercised
     if params.get("replace_threshold", 0.5) is None or params.get("keep_min"):
         assert verdicts["remask"] > 0
+
+
+def _reference_seeds(p, tokens, mem, rho, drafted):
+    """One request's seeds from its block tokens [B] and memory [6, B] (ALGORITHMS.md §1.6,
+    §1.7), one position at a time: block positions, ascending."""
+    n = len(tokens)
+    below = p.draft_threshold if p.final_verify_below is None else p.final_verify_below
+    visible = [tokens[i] != MASK and mem[AGE][i] >= 1 for i in range(n)]
+    cand = [visible[i] and (p.max_verifications is None or mem[CHECKS][i] < p.max_verifications)
+            for i in range(n)]
+    pending = [False] * n
+    if MASK not in tokens:          # verification only: every stale, unsure token, first
+        pending = [visible[i] and mem[CONF][i] < below and mem[STALE][i] > 0 for i in range(n)]
+        cand = [c or q for c, q in zip(cand, pending)]
+    num = sum(cand)
+    if num == 0 or p.k_max == 0:
+        return []
+    want = sum(pending) if MASK not in tokens else math.ceil(rho * drafted)
+    k = min(max(want, p.k_min), p.k_max, num)
+
+    def normalised(values):
+        lo = min(values[i] for i in range(n) if cand[i])
+        span = max(values[i] for i in range(n) if cand[i]) - lo
+        return [(v - lo) / span if span > 0 else 0.0 for v in values]
+
+    u = normalised([1.0 - c for c in mem[CONF]])
+    d_in, drift = normalised(list(mem[ATTN_IN])), normalised(list(mem[DRIFT]))
+    score = [p.w_uncertainty * u[i] + p.w_influence * d_in[i] + p.w_drift * drift[i]
+             + (10.0 if pending[i] else 0.0) for i in range(n)]
+    return sorted(sorted((i for i in range(n) if cand[i]), key=lambda i: (-score[i], i))[:k])
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"k_max": 2, "k_min": 0}, {"max_verifications": None, "final_verify_below": 1.0},
+    {"w_influence": 0.0, "w_drift": 0.0, "rho_max": 2.0}, {"k_max": 0, "k_min": 0},
+])
+def test_batched_seed_selection_matches_the_reference(params):
+    """`Cover.plan_seeds` picks every request's seeds of a step at once, from rows of one
+    memory table; the per-request rules above must give the same seeds."""
+    spec = ModelSpec(family="llada", vocab_size=VOCAB, mask_token_id=MASK, eos_token_ids=(8,),
+                     pad_token_id=8, logit_shift=0, max_model_len=64)
+    strategy = strategy_class("cover")(make_params("cover", params), spec)
+    rng = random.Random(zlib.crc32(repr(sorted(params.items())).encode()))
+    picked_any = verify_only = 0
+    for _ in range(80):
+        states, canvases, blocks, want = [], [], [], []
+        for _ in range(rng.randrange(1, 5)):
+            prompt, length = rng.randrange(0, 5), rng.randrange(1, 10)
+            masked = rng.random() < 0.6
+            block = [MASK if masked and rng.random() < 0.4 else rng.randrange(8)
+                     for _ in range(length)]
+            canvas = ([rng.randrange(8) for _ in range(prompt)] + block
+                      + [MASK] * rng.randrange(0, 6))
+            mem = np.zeros((6, length))
+            mem[AGE] = [rng.randrange(3) for _ in range(length)]
+            mem[CHECKS] = [rng.randrange(5) for _ in range(length)]
+            mem[CONF] = [rng.choice((0.5, 0.99, rng.random())) for _ in range(length)]
+            mem[DRIFT], mem[ATTN_IN] = (np.array([rng.choice((0.0, rng.random()))
+                                                  for _ in range(length)]) for _ in range(2))
+            mem[STALE] = [rng.randrange(2) for _ in range(length)]
+            rho, drafted = rng.choice((0.125, 0.5, 2.0)), rng.randrange(5)
+            states.append(BlockState(block_steps=8, extra=CoverState(
+                rho=rho, drafted=drafted, memory=CoverMemory.of(mem.copy()))))
+            canvases.append(torch.tensor(canvas))
+            blocks.append((prompt, prompt + length))
+            want.append([prompt + i for i in _reference_seeds(strategy.params, block, mem, rho,
+                                                               drafted)])
+            verify_only += MASK not in block
+        got = strategy.plan_seeds(states, canvases, blocks)
+        assert got == want
+        picked_any += sum(map(len, got))
+        for st, canvas, (start, end), seeds in zip(states, canvases, blocks, want):
+            assert strategy.select_seeds(st, canvas[start:end], start) == seeds   # alone
+    assert verify_only > 0
+    assert picked_any > 0 or strategy.params.k_max == 0

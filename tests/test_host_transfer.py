@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from cover_vllm.attention import build_metadata
-from cover_vllm.attention.layout import _move_ints, move_to
+from cover_vllm.attention.layout import move_to
 from cover_vllm.benchmarks.op_count import OpCounter
-from cover_vllm.host_transfer import HostTransfer, _pack_float64
+from cover_vllm.host_transfer import HostTransfer, _pack_float64, one_buffer, to_device
 from test_attention import OVERRIDES, _random_batch
 
 
@@ -49,22 +49,32 @@ def test_fetch_is_one_copy_of_few_ops_on_a_device():
     assert ops.num_device <= 12, ops.device
 
 
-def test_int64_inputs_travel_in_one_buffer():
-    tensors = [torch.arange(6).view(2, 3), None, torch.tensor([5, 4]), torch.zeros(0, 4).long()]
-    moved = _move_ints(tensors, torch.device("cpu"))
+def test_int64_and_bool_inputs_travel_in_one_buffer():
+    bools = [torch.tensor([[True, False, True], [False, False, True]]), torch.ones(5).bool(),
+             torch.zeros(0, 2, dtype=torch.bool)]
+    tensors = [torch.arange(6).view(2, 3), None, bools[0], torch.tensor([5, 4]), bools[1],
+               torch.zeros(0, 4).long(), bools[2]]
+    moved = one_buffer(tensors, torch.device("cpu"))
     assert moved[1] is None
     for got, want in zip(moved, tensors):
         if want is not None:
-            assert got.shape == want.shape and torch.equal(got, want)
+            assert (got.shape, got.dtype) == (want.shape, want.dtype)
+            assert torch.equal(got, want)
+    with OpCounter() as ops:
+        meta = to_device(tensors, torch.device("meta"))
+    assert ops.device["_to_copy"] + ops.device["to"] == 1       # one copy; the rest are views
+    assert ops.num_device == ops.views + 1, ops.device
+    assert [(t.shape, t.dtype) for t in meta if t is not None] == [
+        (t.shape, t.dtype) for t in tensors if t is not None]
+    assert to_device(tensors, torch.device("cpu"))[0] is tensors[0]    # the CPU: no copy
 
 
-def test_metadata_moves_in_one_int64_copy_and_keeps_every_field():
+def test_metadata_moves_in_one_copy_and_keeps_every_field():
     seqs, *_ = _random_batch(4, 2, OVERRIDES, seed=5)
     host = build_metadata(seqs)
     with OpCounter() as ops:
         meta, (ids,) = move_to("meta", host, torch.arange(7))
-    copies = ops.device["to"] + ops.device["_to_copy"]
-    assert copies == 3                      # the int64 buffer, and the two bool masks
+    assert ops.device["to"] + ops.device["_to_copy"] == 1     # int64 and bool fields together
     assert ids.shape == (7,) and ids.device.type == "meta"
     for name, value in vars(host).items():
         if isinstance(value, torch.Tensor) and not name.startswith("_"):

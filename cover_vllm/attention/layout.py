@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from cover_vllm.attention.base import AttentionMetadata, SeqLayout
+from cover_vllm.host_transfer import to_device
 
 
 def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
@@ -74,34 +75,16 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
 def move_to(device: torch.device | str, meta: AttentionMetadata,
             *carry: torch.Tensor | None) -> tuple[AttentionMetadata, list[torch.Tensor | None]]:
     """A host-built `meta` on `device`, with `carry` (the step's other integer inputs: token
-    ids, positions, logit rows; None stays None) in the same single copy (issue #43).
-
-    Every int64 tensor rides in one flat buffer: one host->device copy (pinned and asynchronous
-    on CUDA), one split, a view per tensor of more than one dimension; the bool masks follow as
-    they are (two copies). On the CPU nothing is copied."""
+    ids, positions, logit rows; None stays None) in the same single copy (issue #43):
+    host_transfer.to_device, one int64 buffer for every int64 and bool tensor, views on the
+    device. On the CPU nothing is copied."""
     if torch.device(device).type == "cpu":
         return meta, list(carry)
     fields = [f.name for f in dataclasses.fields(meta)
               if isinstance(getattr(meta, f.name), torch.Tensor) and not f.name.startswith("_")]
-    ints = [name for name in fields if getattr(meta, name).dtype == torch.long]
-    tensors = [getattr(meta, name) for name in ints] + list(carry)
-    moved = _move_ints(tensors, torch.device(device))
-    changes = dict(zip(ints, moved))
-    changes.update({name: getattr(meta, name).to(device) for name in fields if name not in changes})
-    return dataclasses.replace(meta, **changes), moved[len(ints):]
-
-
-def _move_ints(tensors: list[torch.Tensor | None],
-               device: torch.device) -> list[torch.Tensor | None]:
-    """int64 host tensors -> the same on `device`, through one flat buffer."""
-    live = [t for t in tensors if t is not None]
-    flat = torch.cat([t.reshape(-1) for t in live])
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    pieces = flat.to(device, non_blocking=device.type == "cuda").split(
-        [t.numel() for t in live])
-    out = iter(p if t.dim() == 1 else p.view(t.shape) for t, p in zip(live, pieces))
-    return [None if t is None else next(out) for t in tensors]
+    moved = to_device([getattr(meta, name) for name in fields] + list(carry),
+                      torch.device(device))
+    return dataclasses.replace(meta, **dict(zip(fields, moved))), moved[len(fields):]
 
 
 def _scratch_slots(slots: torch.Tensor, key_slots: torch.Tensor, ov: torch.Tensor,

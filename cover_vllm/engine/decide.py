@@ -22,7 +22,7 @@ import torch
 
 from cover_vllm.engine.logits_processors import process_logits
 from cover_vllm.engine.logprobs import attach_logprobs, logprob_rows
-from cover_vllm.host_transfer import HostTransfer
+from cover_vllm.host_transfer import HostTransfer, to_device
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.scheduler.request import Request
 from cover_vllm.step_plan import RowDecision
@@ -117,14 +117,15 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     with torch.inference_mode():                   # the runner's logits are inference tensors
         padded.select(-1, reqs[0].mask_id).fill_(float("-inf"))   # [MASK] is never a proposal
                                                 # (else: stuck); two ops, where `[..., id] =` is 6
-    dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device))  # noqa: E731
+    tokens, valid, in_block, is_gen, seeds = to_device(   # one copy (host_transfer.py)
+        [host.tokens, host.valid, host.in_block, host.is_gen, host.seeds], device)
     return StepBatch(
-        logits=padded, tokens=dev(host.tokens), valid=dev(host.valid),
-        in_block=dev(host.in_block), is_gen=dev(host.is_gen), states=[r.state for r in reqs],
+        logits=padded, tokens=tokens, valid=valid, in_block=in_block, is_gen=is_gen,
+        states=[r.state for r in reqs],
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=dev(host.seeds),
+        generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
         drift=_stat(drift, width), attn_in=_stat(attn_in, width),
         extra_logits=extra[0], extra_valid=extra[1], host_rows=host)
 

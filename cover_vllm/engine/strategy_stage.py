@@ -47,8 +47,8 @@ class StrategyStage:
     @staticmethod
     def plan(requests: list[Request]) -> list[StepPlan]:
         """What each running request's strategy asks of the next forward (its seeds are
-        picked here, from the state its last `decide` left)."""
-        return [_plan(req) for req in requests]
+        picked here, from the state its last `decide` left: one `plan_seeds` per instance)."""
+        return [_plan(req, seeds) for req, seeds in zip(requests, _seeds(requests))]
 
     @staticmethod
     def decide(out: SchedulerOutput, requests: dict[str, Request], result,
@@ -60,13 +60,26 @@ class StrategyStage:
         return run_strategies(out, requests, result, observers, transfer)
 
 
-def _plan(req: Request) -> StepPlan:
+def _seeds(requests: list[Request]) -> list[list[int]]:
+    """Each request's seeds, picked by one `plan_seeds` per strategy instance."""
+    seeds: list[list[int]] = [[] for _ in requests]
+    groups: dict[int, list[int]] = {}
+    for i, req in enumerate(requests):
+        if req.strategy.has_seeds:
+            groups.setdefault(id(req.strategy), []).append(i)
+    for members in groups.values():
+        reqs = [requests[i] for i in members]
+        picked = reqs[0].strategy.plan_seeds([r.state for r in reqs], [r.canvas for r in reqs],
+                                             [r.block for r in reqs])
+        for i, chosen in zip(members, picked):
+            seeds[i] = chosen
+    return seeds
+
+
+def _plan(req: Request, seeds: list[int]) -> StepPlan:
     strategy, state = req.strategy, req.state
-    start, end = req.block
     return StepPlan(
-        view_start=strategy.view_start(start, req.prompt_len),
-        seeds=(strategy.select_seeds(state, req.canvas[start:end], start)
-               if type(strategy).select_seeds is not Strategy.select_seeds else []),
+        view_start=strategy.view_start(req.block[0], req.prompt_len), seeds=seeds,
         extra=strategy.extra_rows(state, req.canvas, req.block),
         embed_edit=strategy.embed_edits(state, req.canvas, req.block),
         cfg_scale=strategy.cfg_scale, want_stats=strategy.wants_stats,

@@ -210,6 +210,21 @@ class Strategy(ABC):
         K/V served to every other row). `block_tokens` [block_len] is the current block."""
         return []
 
+    def plan_seeds(self, states: list[BlockState], canvases: list[torch.Tensor],
+                   blocks: list[tuple[int, int]]) -> list[list[int]]:
+        """`select_seeds` for every request this instance serves in a step, from each one's
+        canvas [L] and current block (start, end); a strategy with seeds overrides it with one
+        vectorised pass over the batch."""
+        return [self.select_seeds(st, canvas[start:end], start)
+                for st, canvas, (start, end) in zip(states, canvases, blocks)]
+
+    @property
+    def has_seeds(self) -> bool:
+        """Whether the strategy picks seeds at all (the stage skips `plan_seeds` if not)."""
+        cls = type(self)
+        return (cls.select_seeds is not Strategy.select_seeds
+                or cls.plan_seeds is not Strategy.plan_seeds)
+
     def extra_rows(self, state: BlockState, canvas: torch.Tensor,
                    block: tuple[int, int]) -> ExtraRows | None:
         """Extra query rows for the next forward (WINO's shadow block): never cached, never seen

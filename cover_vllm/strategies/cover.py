@@ -24,6 +24,7 @@ import torch
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.llada import plain_greedy, propose
 from cover_vllm.strategies.sampling import Rows, greedy, topk_mask
+from cover_vllm.strategies.state_rows import RowMemory, StateRows
 
 
 @dataclass(frozen=True)
@@ -78,34 +79,28 @@ class CoverParams(StrategyParams):
 MEMORY_FIELDS = ("age", "checks", "conf", "drift", "attn_in", "stale")
 
 
-@dataclass
-class CoverMemory:
-    """Per-position memory of the current block, each field [block_len] float64 (counters and
-    flags hold integers): host-side bookkeeping of a few dozen numbers per request, where numpy's
-    per-call cost is a fraction of torch's. The fields are rows of one array (`zeros`), so a
-    batch of requests stacks and updates them at once (`Cover._update_memory`)."""
+class CoverMemory(RowMemory):
+    """Per-position memory of a request's current block: a row of its Cover's `StateRows`
+    (strategies/state_rows.py), so a batch reads and updates every request's memory at once.
+    Fields, each [block_len] float64 (counters and flags hold integers):
 
-    age: np.ndarray        # forwards the token has been visible in (>= 1: its cached K/V hold
-                           # the visible version, so it can serve a leave-one-out check)
-    checks: np.ndarray     # leave-one-out checks it took part in
-    conf: np.ndarray       # probability it was last judged with (drafted, replaced or kept)
-    drift: np.ndarray      # EMA of its key's relative change at write-back
-    attn_in: np.ndarray    # attention mass still-masked rows put on it (last forward)
-    stale: np.ndarray      # 1: another position changed since it was last judged, so a check
-                           # now would see a context that judgement did not
+    * age: forwards the token has been visible in (>= 1: its cached K/V hold the visible
+      version, so it can serve a leave-one-out check);
+    * checks: leave-one-out checks it took part in;
+    * conf: probability it was last judged with (drafted, replaced or kept);
+    * drift: EMA of its key's relative change at write-back;
+    * attn_in: attention mass still-masked rows put on it (last forward);
+    * stale: 1 when another position changed since it was last judged, so a check now would
+      see a context that judgement did not."""
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> "CoverMemory":
+        """A detached memory holding `values` [6, block_len] (MEMORY_FIELDS order)."""
+        return cls.detached(MEMORY_FIELDS, values)
 
     @classmethod
     def zeros(cls, length: int) -> "CoverMemory":
-        return cls(*np.zeros((len(MEMORY_FIELDS), length)))
-
-    def stacked(self) -> np.ndarray:
-        """[6, block_len] copy, rows in MEMORY_FIELDS order."""
-        return np.stack([getattr(self, name) for name in MEMORY_FIELDS])
-
-    def store(self, rows: np.ndarray) -> None:
-        """Overwrite every field in place from [6, block_len] rows in MEMORY_FIELDS order."""
-        for name, row in zip(MEMORY_FIELDS, rows):
-            getattr(self, name)[:] = row
+        return cls.of(np.zeros((len(MEMORY_FIELDS), length)))
 
 
 @dataclass
@@ -115,14 +110,14 @@ class CoverState:
     rho: float                           # seeds per step = ceil(rho * drafted last step)
     drafted: int = 0                     # positions drafted in the last step
     verify_steps: int = 0                # steps that ended with no [MASK] left in the block
-    memory: CoverMemory | None = None    # created on the first step (`Cover._memory`)
+    memory: CoverMemory | None = None    # taken on the first step (`Cover._memory`)
 
 
 def _minmax(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Min-max normalise each row of x [F, L] over the columns in mask [L] (0 where a row's
-    range is empty)."""
-    lo = x[:, mask].min(-1, keepdims=True)
-    span = x[:, mask].max(-1, keepdims=True) - lo
+    """Min-max normalise x [F, n, L] along L over the columns in mask [n, L], each (f, row) on
+    its own (0 where its range is empty)."""
+    lo = np.where(mask, x, np.inf).min(-1, keepdims=True)
+    span = np.where(mask, x, -np.inf).max(-1, keepdims=True) - lo
     return np.where(span > 0, (x - lo) / np.where(span > 0, span, 1.0), 0.0)
 
 
@@ -159,6 +154,11 @@ class Cover(Strategy):
     masked_rows_only = True
     params_cls = CoverParams
 
+    def __init__(self, params: CoverParams, spec):
+        super().__init__(params, spec)
+        # every request's CoverMemory: rows of one table (the persistent batch's COVER slice)
+        self.memory_rows = StateRows(MEMORY_FIELDS)
+
     @property
     def _verify_below(self) -> float:
         """Drafts committed less sure than this must pass a check before their block ends."""
@@ -183,54 +183,77 @@ class Cover(Strategy):
         cover, p = state.extra, self.params
         if not p.final_verify or p.k_max == 0 or cover.memory is None:
             return True
-        pending = bool(self._unverified(cover.memory).any())
+        mem = cover.memory
+        pending = bool(self._unverified(mem.conf, mem.stale).any())
         return not pending or cover.verify_steps > p.max_verify_steps
 
-    def _unverified(self, mem: CoverMemory) -> np.ndarray:
-        """[L] bool: committed tokens that must pass a check before their block ends: last
+    def _unverified(self, conf: np.ndarray, stale: np.ndarray) -> np.ndarray:
+        """[..., L] bool: committed tokens that must pass a check before their block ends: last
         judged (drafted, replaced or checked) less sure than `final_verify_below`, from a
-        context that has changed since. A token drafted alone after which nothing changed was
-        predicted from exactly its leave-one-out view; checking it would repeat the draft."""
-        return (mem.conf < self._verify_below) & (mem.stale > 0)
+        context that has changed since (CoverMemory's `conf` and `stale`). A token drafted
+        alone after which nothing changed was predicted from exactly its leave-one-out view;
+        checking it would repeat the draft."""
+        return (conf < self._verify_below) & (stale > 0)
 
-    @staticmethod
-    def _memory(state: BlockState, length: int) -> CoverMemory:
-        """The current block's per-position memory, created on first use."""
-        if state.extra.memory is None:
-            state.extra.memory = CoverMemory.zeros(length)
-        return state.extra.memory
+    def _memory(self, state: BlockState, length: int) -> CoverMemory:
+        """The current block's per-position memory: a row of this instance's table, taken on
+        first use (a detached copy, a snapshot's, is moved in)."""
+        mem = state.extra.memory
+        if mem is None:
+            mem = state.extra.memory = CoverMemory(self.memory_rows, length)
+        else:
+            self.memory_rows.adopt(mem)
+        return mem
 
     # ---- before the forward ----------------------------------------------------------------
     def select_seeds(self, state: BlockState, block_tokens: torch.Tensor,
                      block_start: int) -> list[int]:
+        picked = self.plan_seeds([state], [block_tokens], [(0, block_tokens.numel())])[0]
+        return [block_start + s for s in picked]
+
+    def plan_seeds(self, states: list[BlockState], canvases: list[torch.Tensor],
+                   blocks: list[tuple[int, int]]) -> list[list[int]]:
+        """Every request's seeds at once, from its memory's rows (a fixed number of numpy ops
+        whatever the batch): per request, candidates are visible block tokens (age >= 1) checked
+        fewer than `max_verifications` times; `k` = ceil(rho * drafted last step) in [k_min,
+        k_max], or, with no [MASK] left, every token the block still waits for (`_unverified`),
+        ranked first. The top-k stability scores (§1.6: min-max normalised over the request's
+        candidates) win, ties to the lower position."""
         p = self.params
-        mem, cover = self._memory(state, block_tokens.numel()), state.extra
-        masked = block_tokens.numpy() == self.spec.mask_token_id
-        visible = ~masked & (mem.age >= 1)
+        if p.k_max == 0:
+            return [[] for _ in states]
+        start, end = np.array(blocks).reshape(-1, 2).T
+        length = end - start
+        cols = np.arange(int(length.max()))
+        in_block = cols < length[:, None]                                    # [n, B]
+        sizes = np.array([c.numel() for c in canvases])
+        first = np.cumsum(sizes) - sizes + start
+        flat = torch.cat(canvases).numpy()
+        tokens = flat[np.minimum(first[:, None] + cols, flat.size - 1)]       # [n, B]
+        mems = [self._memory(st, n) for st, n in zip(states, length.tolist())]
+        rows = self.memory_rows.data[[m.row for m in mems]][:, :, :cols.size]
+        age, checks, conf, drift, attn_in, stale = rows.transpose(1, 0, 2)   # each [n, B]
+        masked = (tokens == self.spec.mask_token_id) & in_block
+        visible = in_block & ~masked & (age >= 1)
         cand = visible
         if p.max_verifications is not None:
-            cand = cand & (mem.checks < p.max_verifications)
-        pending = None
-        if not masked.any():
-            # verification-only step: every token the block still waits for, first
-            pending = visible & self._unverified(mem)
-            cand = cand | pending
-        num = int(cand.sum())
-        if num == 0 or p.k_max == 0:
-            return []
-        if pending is None:
-            k = min(max(math.ceil(cover.rho * cover.drafted), p.k_min), p.k_max, num)
-        else:
-            k = min(max(int(pending.sum()), p.k_min), p.k_max, num)
-        if k == num:                    # every candidate: no ranking needed
-            return (block_start + np.flatnonzero(cand)).tolist()
-        u, d_in, drift = _minmax(np.stack((1.0 - mem.conf, mem.attn_in, mem.drift)), cand)
-        score = p.w_uncertainty * u + p.w_influence * d_in + p.w_drift * drift
-        if pending is not None:
-            score = score + pending * 10.0
-        score = np.where(cand, score, -np.inf)
-        top = np.argsort(-score, kind="stable")[:k]
-        return (block_start + np.sort(top)).tolist()
+            cand = cand & (checks < p.max_verifications)
+        # a verification-only step (no [MASK] left): every token the block still waits for, first
+        verify_only = ~masked.any(-1)
+        pending = visible & self._unverified(conf, stale) & verify_only[:, None]
+        cand = cand | pending
+        extra = [st.extra for st in states]
+        rho_drafted = np.array([(c.rho, c.drafted) for c in extra]).reshape(-1, 2)
+        want = np.where(verify_only, pending.sum(-1), np.ceil(rho_drafted.prod(-1)))
+        k = np.minimum(np.minimum(np.maximum(want, p.k_min), p.k_max), cand.sum(-1))
+        u, d_in, d = _minmax(np.stack((1.0 - conf, attn_in, drift)), cand)
+        score = p.w_uncertainty * u + p.w_influence * d_in + p.w_drift * d + pending * 10.0
+        order = np.argsort(-np.where(cand, score, -np.inf), axis=-1, kind="stable")
+        picked = np.zeros_like(cand)
+        np.put_along_axis(picked, order, cols < k[:, None], axis=-1)
+        req, col = picked.nonzero()
+        seeds, bounds = (start[req] + col).tolist(), np.cumsum(picked.sum(-1)).tolist()
+        return [seeds[a:b] for a, b in zip([0] + bounds, bounds)]
 
     # ---- after the forward -----------------------------------------------------------------
     def decide(self, batch: StepBatch) -> Decision:
@@ -299,8 +322,9 @@ class Cover(Strategy):
 
     def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Advance every request's per-position memory (block positions) at once, on an
-        [n, rows, W] copy laid over the view. A deferred seed keeps its token but counts as never
-        checked, so the block does not end before its check passes."""
+        [n, rows, W] copy laid over the view: one gather from the memory table, one scatter
+        back. A deferred seed keeps its token but counts as never checked, so the block does
+        not end before its check passes."""
         p = self.params
         host, state = batch.host, decision.state
         n, width = host.tokens.shape
@@ -308,10 +332,12 @@ class Cover(Strategy):
         seeds = _Seeds.of(np.zeros((n, width), dtype=bool) if host.seeds is None
                           else host.seeds.numpy(), decision)
         drafted = draft.sum(-1)
+        mems = [self._memory(st, b) for st, b in zip(batch.states, blk.sum(-1).tolist())]
+        at_req, at_col = blk.nonzero()                   # block positions, request-major
+        rows = np.array([mem.row for mem in mems])[at_req]
+        cols = at_col - blk.argmax(-1)[at_req]           # their memory columns
         m = np.zeros((n, len(MEMORY_FIELDS), width))
-        mems = [self._memory(st, int(blk[i].sum())) for i, st in enumerate(batch.states)]
-        for i, mem in enumerate(mems):
-            m[i][:, blk[i]] = mem.stacked()
+        m[at_req, :, at_col] = self.memory_rows.gather(rows, cols)
         age, checks, conf, drift, attn_in, stale = (m[:, r] for r in range(len(MEMORY_FIELDS)))
         req, pos = seeds.req, seeds.pos
         revised = seeds.replace | seeds.remask
@@ -340,19 +366,18 @@ class Cover(Strategy):
         checks[req[seeds.deferred], pos[seeds.deferred]] = 0.0
         for row in (age, checks, drift):
             row[fresh] = 0.0
+        self.memory_rows.scatter(rows, cols, m[at_req, :, at_col])
         num_seeds = np.bincount(req, minlength=n)
-        hits = np.bincount(req[revised], minlength=n)
+        hit = np.bincount(req[revised], minlength=n) / np.maximum(num_seeds, 1)
+        rho = np.array([st.extra.rho for st in batch.states])
+        rho = np.where((num_seeds > 0) & (hit > p.hit_high),
+                       np.minimum(rho * (1 + p.rho_eta), p.rho_max),
+                       np.where((num_seeds > 0) & (hit < p.hit_low),
+                                np.maximum(rho * (1 - p.rho_eta), p.rho_min), rho))
         # [MASK] left in each block once the decision is applied (remasks are block seeds)
         left = (host.candidates.numpy().sum(-1) - drafted
                 + np.bincount(req[seeds.remask & blk[req, pos]], minlength=n))
-        for i, (mem, st) in enumerate(zip(mems, batch.states)):
-            mem.store(m[i][:, blk[i]])
-            cover = st.extra
-            if num_seeds[i]:
-                hit = hits[i] / num_seeds[i]
-                if hit > p.hit_high:
-                    cover.rho = min(cover.rho * (1 + p.rho_eta), p.rho_max)
-                elif hit < p.hit_low:
-                    cover.rho = max(cover.rho * (1 - p.rho_eta), p.rho_min)
-            cover.drafted = int(drafted[i])
-            cover.verify_steps += int(left[i] == 0)
+        for st, r, d, done in zip(batch.states, rho.tolist(), drafted.tolist(),
+                                  (left == 0).tolist()):
+            st.extra.rho, st.extra.drafted = r, d
+            st.extra.verify_steps += int(done)
