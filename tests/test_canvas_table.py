@@ -8,8 +8,12 @@ from types import SimpleNamespace
 
 import torch
 
+from cover_vllm.models.spec import ModelSpec
+from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.scheduler.canvas_table import CanvasTable, DecisionWrites
+from cover_vllm.scheduler.request import Request
 from cover_vllm.step_plan import RowDecision
+from cover_vllm.strategies import make_params, strategy_class
 
 
 class _Req(SimpleNamespace):
@@ -44,26 +48,43 @@ def test_rows_are_views_that_survive_growth_and_release():
     assert d.slot == 0                                 # the lowest free slot is reused
 
 
+def _request(length: int, seed: int) -> Request:
+    spec = ModelSpec(family="llada", vocab_size=100, mask_token_id=99, eos_token_ids=(98,),
+                     pad_token_id=98, logit_shift=0, max_model_len=64)
+    strategy = strategy_class("threshold")(make_params("threshold", None), spec)
+    req = Request(f"r{seed}", None, [1, 2], SamplingParams(max_tokens=length - 2,
+                  block_length=length - 2), strategy, torch.Generator(), "none")
+    req.canvas = _req(length, seed).canvas
+    return req
+
+
 def test_one_batched_write_equals_each_request_writing_its_row():
     gen = torch.Generator().manual_seed(0)
     table = CanvasTable(6)
-    reqs = [_req(int(torch.randint(10, 40, (1,), generator=gen)), i) for i in range(6)]
+    reqs = [_request(int(torch.randint(10, 40, (1,), generator=gen)), i) for i in range(6)]
+    alone = [_request(r.canvas_len, i) for i, r in enumerate(reqs)]    # outside the table
     table.attach(reqs)
-    expect = [r.canvas.clone() for r in reqs]
     starts, rows = [], []
-    for i, (r, want) in enumerate(zip(reqs, expect)):
+    for i, r in enumerate(reqs):
         start = int(torch.randint(0, r.canvas_len - 4, (1,), generator=gen))
         width = int(torch.randint(1, r.canvas_len - start, (1,), generator=gen))
-        commit = torch.rand(width, generator=gen) < 0.4
-        replace = (torch.rand(width, generator=gen) < 0.2) & ~commit if i % 2 else None
+        pick = torch.rand(width, generator=gen)
+        commit = pick < 0.4
+        replace = ((pick >= 0.4) & (pick < 0.6)) if i % 2 else None
+        remask = (pick >= 0.8) if i % 3 else None
         tokens = torch.randint(50, 90, (width,), generator=gen)
-        rows.append(RowDecision(commit, tokens, None, replace, 0, 0))
+        rows.append(RowDecision(commit, tokens, remask, replace, 0, 0))
         starts.append(start)
-        written = replace if replace is not None else torch.zeros_like(commit)
-        want[start:start + width][commit | written] = tokens[commit | written]
-    writes = DecisionWrites(table, reqs, starts, rows)
-    writes.write()
-    for r, want, row in zip(reqs, expect, rows):
-        assert torch.equal(r.canvas, want)
-    assert writes.counts == [(int(d.commit.sum()), 0 if d.replace is None else
-                              int(d.replace.sum())) for d in rows]
+    for _ in range(2):                  # the second round commits over the first's remasks
+        writes = DecisionWrites(table, reqs, starts, rows)
+        assert any(w.remasked for w in writes.per_request)
+        for req, a, start, d, written in zip(reqs, alone, starts, rows, writes.per_request):
+            req.apply(start, d.commit, d.tokens, d.remask, d.replace, written)
+            a.apply(start, d.commit, d.tokens, d.remask, d.replace)      # its own write
+        writes.write()
+        for r, a in zip(reqs, alone):
+            assert torch.equal(r.canvas, a.canvas)
+            assert r.remasked_from == a.remasked_from and r.metrics == a.metrics
+        rows = [RowDecision(torch.zeros_like(d.commit) if d.remask is None else d.remask,
+                            torch.randint(50, 90, d.tokens.shape, generator=gen),
+                            d.commit, None, 0, 0) for d in rows]

@@ -313,9 +313,9 @@ class Engine:
             writes = DecisionWrites(self.scheduler.table, reqs,
                                     [it.view_start for it in out.items], rows)
         for i, (req, item) in enumerate(zip(reqs, out.items)):
-            req.apply_step(item, rows[i], writes and writes.counts[i])  # remasks, counters
+            req.apply_step(item, rows[i], writes and writes.per_request[i])  # counters
         if writes is not None:
-            writes.write()                      # every commit and replacement: one write
+            writes.write()                      # every remask, commit, replacement: one write
         events = [(req, req.end_step(row, self.outputs.check_stop, masked))
                   for req, row, masked in zip(reqs, rows, block_masked_counts(reqs))]
         for req in reqs:

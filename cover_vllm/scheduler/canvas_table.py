@@ -5,11 +5,14 @@ indexed by the request's slot. The scheduler writes a slot when it admits a requ
 prompt and [MASK]s) and frees it when the request finishes or is aborted (the request keeps a
 private copy, which its outputs read); `Request.canvas` is a view of its row, so every
 per-request read and write goes to the table, and whole-batch code reads and writes many rows
-with one tensor op (`write_decisions`: every request's commits and replacements of a step).
+with one tensor op (`DecisionWrites`: every request's remasks, commits and replacements of a
+step).
 The width grows, by doubling, when a longer canvas is admitted; the views are re-pointed then.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -68,11 +71,23 @@ class CanvasTable:
             req.canvas = self._row(req)
 
 
+@dataclass
+class RowWrites:
+    """What one step wrote into one request's canvas (a DecisionWrites row, or the request's
+    own write): its counts, and each remasked position with the token it held before."""
+
+    commits: int
+    replaces: int
+    remasked: list[tuple[int, int]]       # (canvas position, its token before the remask)
+
+
 class DecisionWrites:
-    """Every request's commits and replacements of one step, as one write into the table (a
-    fixed number of tensor ops: the rows of all requests laid end to end). Build it, let each
-    request apply its remasks and counters with `counts[i]` (Request.apply_step), then
-    `write()`: the order a request applies its own row in (remask, replace, commit)."""
+    """Every request's remasks, commits and replacements of one step, as one write into the
+    table (a fixed number of tensor ops: the rows of all requests laid end to end). Build it
+    (it reads the tokens the remasks replace), let each request apply its counters with
+    `per_request[i]` (Request.apply_step), then `write()`. A strategy commits [MASK] positions
+    and remasks or replaces visible ones, so the three never overlap and one write applies them
+    in any order."""
 
     def __init__(self, table: CanvasTable, reqs: list, view_starts: list[int],
                  decisions: list[RowDecision]):
@@ -85,19 +100,31 @@ class DecisionWrites:
         pos = torch.repeat_interleave(start - first, width, output_size=total) + \
             torch.arange(total)                                          # [sum W] canvas pos
         commit = torch.cat([d.commit for d in decisions])                 # [sum W] bool
-        replace = torch.zeros_like(commit)
-        if any(d.replace is not None for d in decisions):
-            replace = torch.cat([torch.zeros_like(d.commit) if d.replace is None else d.replace
-                                 for d in decisions])
-        where = (commit | replace).nonzero().flatten()
+        replace, remask = (_flags(decisions, name, commit) for name in ("replace", "remask"))
+        where = (commit | replace | remask).nonzero().flatten()
         self.table, self.pos = table, pos.index_select(0, where)
         self.rows = torch.repeat_interleave(slot, width, output_size=total).index_select(0, where)
         self.tokens = torch.cat([d.tokens for d in decisions]).index_select(0, where)
-        sums = torch.nn.functional.pad(torch.cumsum(torch.stack((commit, replace)).long(), 1),
-                                       (1, 0))[:, first.tolist() + [total]]
-        # (commits, replacements) of each request
-        self.counts: list[tuple[int, int]] = [tuple(c) for c in
-                                              (sums[:, 1:] - sums[:, :-1]).t().tolist()]
+        flags = torch.stack((commit, replace, remask)).long()
+        sums = torch.nn.functional.pad(torch.cumsum(flags, 1), (1, 0))[:, first.tolist() + [total]]
+        counts = (sums[:, 1:] - sums[:, :-1]).t().tolist()   # (commits, replaces, remasks) each
+        remasked = [[] for _ in reqs]
+        if any(c[2] for c in counts):
+            hit = remask.index_select(0, where)
+            at_rows, at_pos = self.rows[hit], self.pos[hit]
+            before = table.tokens[at_rows, at_pos].tolist()
+            self.tokens = self.tokens.masked_fill(hit, reqs[0].mask_id)
+            flat = iter(zip(at_pos.tolist(), before))
+            remasked = [[next(flat) for _ in range(c[2])] for c in counts]
+        self.per_request = [RowWrites(c[0], c[1], r) for c, r in zip(counts, remasked)]
 
     def write(self) -> None:
         self.table.tokens.index_put_((self.rows, self.pos), self.tokens)
+
+
+def _flags(decisions: list[RowDecision], name: str, like: torch.Tensor) -> torch.Tensor:
+    """[sum W] bool: the decisions' `name` mask laid end to end (False where one has none)."""
+    if all(getattr(d, name) is None for d in decisions):
+        return torch.zeros_like(like)
+    return torch.cat([torch.zeros_like(d.commit) if getattr(d, name) is None
+                      else getattr(d, name) for d in decisions])

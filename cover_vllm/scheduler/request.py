@@ -21,6 +21,7 @@ import torch
 from cover_vllm.cache_refresh import CacheRefresh, RefreshState
 from cover_vllm.outputs import RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.scheduler.canvas_table import RowWrites
 from cover_vllm.scheduler.output import WorkItem
 from cover_vllm.step_plan import RowDecision, TokenLogprobs
 from cover_vllm.strategies.base import BlockState, Strategy
@@ -199,46 +200,44 @@ class Request:
 
     def apply(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
               remask: torch.Tensor | None, replace: torch.Tensor | None,
-              written: tuple[int, int] | None = None) -> tuple[int, int]:
+              written: RowWrites | None = None) -> tuple[int, int]:
         """Apply one decision row (view-relative [W] tensors) to the canvas and the counters.
-        `written` = (commits, replacements) when the engine already wrote them into the canvas
-        table for the whole batch (scheduler/canvas_table.py); else they are written here.
-        Returns (positions whose token changed, of which revised by a check: replace/remask)."""
+        `written`: what the engine already wrote into the canvas table for the whole batch
+        (scheduler/canvas_table.py); else the row is written here. Returns (positions whose
+        token changed, of which revised by a check: replace/remask)."""
         m = self.metrics
-        revised = 0
-        if remask is not None and bool(remask.any()):
-            for i in remask.nonzero().flatten().tolist():
-                pos = view_start + i
-                self.remasked_from[pos] = int(self.canvas[pos])
-                self.canvas[pos] = self.mask_id
-                self.token_logprobs.pop(pos, None)
-            m.remasks += int(remask.sum())
-            revised += int(remask.sum())
         if written is None:
-            written = self._write(view_start, commit, tokens, replace)
-        commits, replaces = written
-        m.replaces += replaces
-        revised += replaces
-        if self.remasked_from and commits:
+            written = self._write(view_start, commit, tokens, remask, replace)
+        for pos, before in written.remasked:
+            self.remasked_from[pos] = before
+            self.token_logprobs.pop(pos, None)
+        revised = len(written.remasked) + written.replaces
+        m.remasks += len(written.remasked)
+        m.replaces += written.replaces
+        if self.remasked_from and written.commits:
             for i in commit.nonzero().flatten().tolist():
                 before = self.remasked_from.pop(view_start + i, None)
                 if before is not None and before == int(tokens[i]):
                     m.flip_flops += 1
         self.state.step += 1
         m.steps += 1
-        return revised + commits, revised
+        return revised + written.commits, revised
 
     def _write(self, view_start: int, commit: torch.Tensor, tokens: torch.Tensor,
-               replace: torch.Tensor | None) -> tuple[int, int]:
-        """Write one row's replacements and commits into the canvas; their counts."""
-        replaces = 0
+               remask: torch.Tensor | None, replace: torch.Tensor | None) -> RowWrites:
+        """Write one row's remasks, replacements and commits into the canvas."""
+        remasked, replaces = [], 0
+        if remask is not None and bool(remask.any()):
+            pos = view_start + remask.nonzero().flatten()
+            remasked = list(zip(pos.tolist(), self.canvas[pos].tolist()))
+            self.canvas[pos] = self.mask_id
         if replace is not None and bool(replace.any()):
             idx = replace.nonzero().flatten()
             self.canvas[view_start + idx] = tokens[idx]
             replaces = int(idx.numel())
         idx = commit.nonzero().flatten()
         self.canvas[view_start + idx] = tokens[idx]
-        return int(idx.numel()), replaces
+        return RowWrites(int(idx.numel()), replaces, remasked)
 
     def note_written(self, item: WorkItem) -> None:
         """Record which token each written position's cached K/V now hold (override positions
@@ -278,7 +277,7 @@ class Request:
         return self.end_step(decision, stop_rule, self.block_masked())
 
     def apply_step(self, item: WorkItem, decision: RowDecision,
-                   written: tuple[int, int] | None = None) -> None:
+                   written: RowWrites | None = None) -> None:
         """`finish_step`'s first half: the decision written to the canvas and the counters
         (`written`: see `apply`)."""
         self.note_written(item)
