@@ -164,25 +164,36 @@ def _row_limit(seqs: list[SeqLayout], pos: torch.Tensor, q_valid: torch.Tensor,
 
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
-    """Index tensors of the extra rows; they follow all windows on the flat axis from `offset`."""
+    """Index tensors of the extra rows; they follow all windows on the flat axis from `offset`.
+    A fixed number of ops for the batch: every sequence's [E, L + E] mask laid end to end and
+    scattered into the padded [B, Emax, Kmax + Emax] one (tests/test_layout.py: the loop)."""
     counts = [0 if s.extra_allowed is None else int(s.extra_allowed.shape[0]) for s in seqs]
     b, k_max, e_max = len(seqs), key_valid.shape[1], max(counts)
     if e_max == 0:
         empty = torch.zeros(b, 0, dtype=torch.long)
         return empty, torch.zeros(0, dtype=torch.long), torch.zeros(b, 0, k_max, dtype=torch.bool)
-    ex_index = torch.zeros(b, e_max, dtype=torch.long)
+    has = [i for i, e in enumerate(counts) if e]
+    masks = [seqs[i].extra_allowed for i in has]
+    for i, m in zip(has, masks):
+        assert m.shape == (counts[i], seqs[i].key_slots.numel() + counts[i]), \
+            "extra_allowed must be [E, L + E]"
+    e, cols = torch.tensor([m.shape for m in masks], dtype=torch.long).t()   # [S] each
+    sizes = e * cols
+    which = torch.repeat_interleave(torch.tensor(has), sizes, output_size=int(sizes.sum()))
+    local = torch.arange(which.numel()) - torch.repeat_interleave(
+        torch.cumsum(sizes, 0) - sizes, sizes, output_size=which.numel())
+    width = torch.repeat_interleave(cols, sizes, output_size=which.numel())
+    length = width - torch.repeat_interleave(e, sizes, output_size=which.numel())
+    row, col = local // width, local % width
+    key = col < length                                  # a canvas column, else an extra row's
+    value = torch.cat([m.reshape(-1) for m in masks])
+    value &= ~key | key_valid[which, col.clamp(max=k_max - 1)]
+    num = torch.tensor(counts)                                   # [B]
+    rows = torch.arange(e_max)
+    real = rows < num[:, None]                                   # [B, Emax]
     ex_allowed = torch.zeros(b, e_max, k_max + e_max, dtype=torch.bool)
-    ex_allowed[:, :, 0] = True              # padded rows see one key; their output is dropped
-    ex_out = []
-    for i, (s, e) in enumerate(zip(seqs, counts)):
-        if e == 0:
-            continue
-        length = int(s.key_slots.numel())
-        assert s.extra_allowed.shape == (e, length + e), "extra_allowed must be [E, L + E]"
-        ex_index[i, :e] = torch.arange(offset, offset + e)
-        ex_out.append(torch.arange(i * e_max, i * e_max + e))
-        ex_allowed[i, :e] = False
-        ex_allowed[i, :e, :length] = s.extra_allowed[:, :length] & key_valid[i, :length]
-        ex_allowed[i, :e, k_max:k_max + e] = s.extra_allowed[:, length:]
-        offset += e
-    return ex_index, torch.cat(ex_out), ex_allowed
+    ex_allowed[:, :, 0] = ~real                 # padded rows see one key; their output is dropped
+    ex_allowed[which, row, torch.where(key, col, k_max + col - length)] = value
+    first = offset + torch.cumsum(num, 0) - num                  # each sequence's first row
+    ex_index = (first[:, None] + rows).masked_fill(~real, 0)
+    return ex_index, real.reshape(-1).nonzero().flatten(), ex_allowed

@@ -68,16 +68,16 @@ def _stat(rows: list[torch.Tensor | None] | None, width: int) -> torch.Tensor | 
 
 def _extras(rows: list[torch.Tensor | None] | None,
             device: torch.device) -> tuple[torch.Tensor | None, ...]:
-    """Per-request extra-row logits ([E_i, V] or None) -> padded [n, E, V] and validity [n, E]."""
+    """Per-request extra-row logits ([E_i, V] or None) -> padded [n, E, V] (a view when they are
+    equal back-to-back slices: `stack_logits`) and validity [n, E]."""
     if rows is None or all(r is None for r in rows):
         return None, None
     vocab = next(r for r in rows if r is not None).shape[-1]
     rows = [torch.zeros(0, vocab, device=device) if r is None else r for r in rows]
-    width = max(r.shape[0] for r in rows)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        valid[i, : r.shape[0]] = True
-    return _pad_stack(rows, width, 0.0), valid.to(device)
+    lengths = [r.shape[0] for r in rows]
+    width = max(lengths)
+    valid = torch.arange(width) < torch.tensor(lengths)[:, None]
+    return stack_logits(rows, width), to_device([valid], device)[0]
 
 
 def _canvas_rows(reqs: list[Request], items, width: int) -> CanvasRows:

@@ -214,11 +214,10 @@ class Request:
         revised = len(written.remasked) + written.replaces
         m.remasks += len(written.remasked)
         m.replaces += written.replaces
-        if self.remasked_from and written.commits:
-            for i in commit.nonzero().flatten().tolist():
-                before = self.remasked_from.pop(view_start + i, None)
-                if before is not None and before == int(tokens[i]):
-                    m.flip_flops += 1
+        if self.remasked_from and written.commits:     # a remasked position drafted again
+            idx = commit.nonzero().flatten()
+            for pos, token in zip((view_start + idx).tolist(), tokens[idx].tolist()):
+                m.flip_flops += self.remasked_from.pop(pos, None) == token
         self.state.step += 1
         m.steps += 1
         return revised + written.commits, revised

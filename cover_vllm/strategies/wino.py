@@ -94,6 +94,8 @@ class WinoState:
     """Per-block state of WINO."""
 
     last_accept: int        # drafts accepted last step (sizes this step's Wide-In budget)
+    shadow: tuple | None = None   # ((start, end, canvas length), ExtraRows): the block's shadow
+                                  # rows, built on its first step that has one (read-only)
 
 
 class Wino(Strategy):
@@ -109,7 +111,15 @@ class Wino(Strategy):
         mask = self.spec.mask_token_id
         if not bool((canvas[start:end] != mask).any()):
             return None                         # nothing revealed yet: nothing to verify
-        length, e = int(canvas.numel()), end - start
+        key = (start, end, int(canvas.numel()))
+        if state.extra.shadow is None or state.extra.shadow[0] != key:
+            state.extra.shadow = (key, self._shadow_rows(*key))
+        return state.extra.shadow[1]
+
+    def _shadow_rows(self, start: int, end: int, length: int) -> ExtraRows:
+        """The shadow block of canvas positions [start, end): one [MASK] row per slot at its
+        predictor position, seeing every canvas column but its own slot (§1.4)."""
+        mask, e = self.spec.mask_token_id, end - start
         slots = torch.arange(start, end)                                   # [E] mirrored slots
         allowed = torch.ones(e, length + e, dtype=torch.bool)              # [E, L + E]
         allowed[torch.arange(e), slots] = False                            # ~eye on its slot
