@@ -9,6 +9,7 @@ import numpy as np
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.strategies.cover import Cover
+from cover_vllm.strategies.wino import Wino
 from cover_vllm.strategies.state_rows import RowMemory, StateRows
 
 FIELDS = ("a", "b")
@@ -45,11 +46,21 @@ def test_a_deep_copy_is_detached_and_adopted_by_value():
     np.testing.assert_array_equal(table.gather(np.array([snap.row]), np.array([1])), [[5.0, 0.0]])
 
 
-def test_an_engine_run_frees_every_cover_row():
+def test_an_engine_run_plans_once_per_instance_and_frees_every_cover_row(monkeypatch):
+    calls = []
+    for cls, hook in ((Cover, "plan_seeds"), (Wino, "plan_extra_rows")):
+        def spy(self, states, *rest, _inner=getattr(cls, hook), _name=cls.name):
+            calls.append((_name, len(states)))
+            return _inner(self, states, *rest)
+        monkeypatch.setattr(cls, hook, spy)
     llm = LLM("cover-tiny", num_threads=1)
     prompts = [{"prompt_token_ids": [5 + (i + j) % 7 for j in range(12)]} for i in range(3)]
-    llm.generate(prompts, SamplingParams(max_tokens=16, block_length=8, decoding="cover"),
-                 use_tqdm=False)
+    params = [SamplingParams(max_tokens=16, block_length=8, decoding=d)
+              for d in ("cover", "wino", "cover", "wino", "cover", "wino")]
+    llm.generate(prompts * 2, params, use_tqdm=False)
+    # one call per instance and step, with all of its requests (3 each while all run)
+    assert max(n for name, n in calls if name == "cover") == 3
+    assert max(n for name, n in calls if name == "wino") == 3
     gc.collect()
     covers = [s for s in llm.engine.stage._cache.values() if isinstance(s, Cover)]
     assert covers and all(s.memory_rows.data.shape[0] > 0 for s in covers)   # rows were used

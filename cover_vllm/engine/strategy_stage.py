@@ -47,8 +47,11 @@ class StrategyStage:
     @staticmethod
     def plan(requests: list[Request]) -> list[StepPlan]:
         """What each running request's strategy asks of the next forward (its seeds are
-        picked here, from the state its last `decide` left: one `plan_seeds` per instance)."""
-        return [_plan(req, seeds) for req, seeds in zip(requests, _seeds(requests))]
+        picked here, from the state its last `decide` left): the seeds and extra rows of
+        every request of a strategy instance in one call (`plan_seeds`, `plan_extra_rows`)."""
+        seeds = _per_instance(requests, "plan_seeds", "select_seeds")
+        extra = _per_instance(requests, "plan_extra_rows", "extra_rows")
+        return [_plan(req, s or [], e) for req, s, e in zip(requests, seeds, extra)]
 
     @staticmethod
     def decide(out: SchedulerOutput, requests: dict[str, Request], result,
@@ -60,27 +63,29 @@ class StrategyStage:
         return run_strategies(out, requests, result, observers, transfer)
 
 
-def _seeds(requests: list[Request]) -> list[list[int]]:
-    """Each request's seeds, picked by one `plan_seeds` per strategy instance."""
-    seeds: list[list[int]] = [[] for _ in requests]
+def _per_instance(requests: list[Request], plan: str, single: str) -> list:
+    """The hook `plan` (states, canvases, blocks) once per strategy instance whose class
+    overrides it or its one-request form `single`, for that instance's requests; each
+    request's answer (None for the others)."""
+    out: list = [None] * len(requests)
     groups: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
-        if req.strategy.has_seeds:
+        if req.strategy.overrides(plan, single):
             groups.setdefault(id(req.strategy), []).append(i)
     for members in groups.values():
         reqs = [requests[i] for i in members]
-        picked = reqs[0].strategy.plan_seeds([r.state for r in reqs], [r.canvas for r in reqs],
-                                             [r.block for r in reqs])
-        for i, chosen in zip(members, picked):
-            seeds[i] = chosen
-    return seeds
+        answers = getattr(reqs[0].strategy, plan)([r.state for r in reqs],
+                                                  [r.canvas for r in reqs],
+                                                  [r.block for r in reqs])
+        for i, answer in zip(members, answers):
+            out[i] = answer
+    return out
 
 
-def _plan(req: Request, seeds: list[int]) -> StepPlan:
+def _plan(req: Request, seeds: list[int], extra) -> StepPlan:
     strategy, state = req.strategy, req.state
     return StepPlan(
-        view_start=strategy.view_start(req.block[0], req.prompt_len), seeds=seeds,
-        extra=strategy.extra_rows(state, req.canvas, req.block),
+        view_start=strategy.view_start(req.block[0], req.prompt_len), seeds=seeds, extra=extra,
         embed_edit=strategy.embed_edits(state, req.canvas, req.block),
         cfg_scale=strategy.cfg_scale, want_stats=strategy.wants_stats,
         masked_rows_only=strategy.masked_rows_only)

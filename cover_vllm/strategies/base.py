@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from cover_vllm.models.spec import ModelSpec
@@ -218,12 +219,16 @@ class Strategy(ABC):
         return [self.select_seeds(st, canvas[start:end], start)
                 for st, canvas, (start, end) in zip(states, canvases, blocks)]
 
-    @property
-    def has_seeds(self) -> bool:
-        """Whether the strategy picks seeds at all (the stage skips `plan_seeds` if not)."""
-        cls = type(self)
-        return (cls.select_seeds is not Strategy.select_seeds
-                or cls.plan_seeds is not Strategy.plan_seeds)
+    def plan_extra_rows(self, states: list[BlockState], canvases: list[torch.Tensor],
+                        blocks: list[tuple[int, int]]) -> list[ExtraRows | None]:
+        """`extra_rows` for every request this instance serves in a step (as `plan_seeds`)."""
+        return [self.extra_rows(st, canvas, block)
+                for st, canvas, block in zip(states, canvases, blocks)]
+
+    def overrides(self, *names: str) -> bool:
+        """Whether this strategy's class overrides any of the hooks `names` (the stage skips
+        a hook no strategy of the step has)."""
+        return any(getattr(type(self), name) is not getattr(Strategy, name) for name in names)
 
     def extra_rows(self, state: BlockState, canvas: torch.Tensor,
                    block: tuple[int, int]) -> ExtraRows | None:
@@ -268,3 +273,17 @@ def decide_now(strategy: Strategy, batch: StepBatch) -> Decision:
     host = decision.from_tensors([None if t is None else t.cpu() for t in decision.tensors()])
     strategy.absorb(batch, host)
     return host
+
+
+def block_rows(canvases: list[torch.Tensor],
+               blocks: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every request's current block as one [n, B] array (B = the longest block; past a
+    block's end the row holds other tokens: mask with `arange(B) < lengths`), with the blocks'
+    starts and lengths [n]. Two tensor ops for the batch: one cat, one gather."""
+    start, end = np.array(blocks).reshape(-1, 2).T
+    lengths = end - start
+    sizes = np.array([c.numel() for c in canvases])
+    flat = torch.cat(canvases).numpy()
+    first = np.cumsum(sizes) - sizes + start
+    cols = np.arange(int(lengths.max()))
+    return flat[np.minimum(first[:, None] + cols, flat.size - 1)], start, lengths

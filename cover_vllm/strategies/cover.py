@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
+from cover_vllm.strategies.base import (BlockState, Decision, StepBatch, Strategy,
+                                        StrategyParams, block_rows)
 from cover_vllm.strategies.llada import plain_greedy, propose
 from cover_vllm.strategies.sampling import Rows, greedy, topk_mask
 from cover_vllm.strategies.state_rows import RowMemory, StateRows
@@ -222,14 +223,9 @@ class Cover(Strategy):
         p = self.params
         if p.k_max == 0:
             return [[] for _ in states]
-        start, end = np.array(blocks).reshape(-1, 2).T
-        length = end - start
-        cols = np.arange(int(length.max()))
+        tokens, start, length = block_rows(canvases, blocks)                # [n, B], [n]
+        cols = np.arange(tokens.shape[1])
         in_block = cols < length[:, None]                                    # [n, B]
-        sizes = np.array([c.numel() for c in canvases])
-        first = np.cumsum(sizes) - sizes + start
-        flat = torch.cat(canvases).numpy()
-        tokens = flat[np.minimum(first[:, None] + cols, flat.size - 1)]       # [n, B]
         mems = [self._memory(st, n) for st, n in zip(states, length.tolist())]
         rows = self.memory_rows.data[[m.row for m in mems]][:, :, :cols.size]
         age, checks, conf, drift, attn_in, stale = rows.transpose(1, 0, 2)   # each [n, B]

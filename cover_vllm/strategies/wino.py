@@ -37,10 +37,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cover_vllm.step_plan import ExtraRows
-from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
+from cover_vllm.strategies.base import (BlockState, Decision, StepBatch, Strategy,
+                                        StrategyParams, block_rows)
 from cover_vllm.strategies.llada import propose
 from cover_vllm.strategies.sampling import on_device, token_prob, topk_mask
 
@@ -107,11 +109,21 @@ class Wino(Strategy):
 
     def extra_rows(self, state: BlockState, canvas: torch.Tensor,
                    block: tuple[int, int]) -> ExtraRows | None:
-        start, end = block
-        mask = self.spec.mask_token_id
-        if not bool((canvas[start:end] != mask).any()):
-            return None                         # nothing revealed yet: nothing to verify
-        key = (start, end, int(canvas.numel()))
+        return self.plan_extra_rows([state], [canvas], [block])[0]
+
+    def plan_extra_rows(self, states: list[BlockState], canvases: list[torch.Tensor],
+                        blocks: list[tuple[int, int]]) -> list[ExtraRows | None]:
+        """Each request's shadow block, or None while nothing of its block is revealed (nothing
+        to verify): one test for the batch; the rows themselves are built once per block."""
+        tokens, _, lengths = block_rows(canvases, blocks)
+        in_block = np.arange(tokens.shape[1]) < lengths[:, None]
+        revealed = ((tokens != self.spec.mask_token_id) & in_block).any(-1).tolist()
+        return [self._shadow(st, canvas, block) if shown else None
+                for st, canvas, block, shown in zip(states, canvases, blocks, revealed)]
+
+    def _shadow(self, state: BlockState, canvas: torch.Tensor,
+                block: tuple[int, int]) -> ExtraRows:
+        key = (*block, int(canvas.numel()))
         if state.extra.shadow is None or state.extra.shadow[0] != key:
             state.extra.shadow = (key, self._shadow_rows(*key))
         return state.extra.shadow[1]
