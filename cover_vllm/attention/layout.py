@@ -165,35 +165,30 @@ def _row_limit(seqs: list[SeqLayout], pos: torch.Tensor, q_valid: torch.Tensor,
 
 def _extra_layout(seqs: list[SeqLayout], key_valid: torch.Tensor, offset: int):
     """Index tensors of the extra rows; they follow all windows on the flat axis from `offset`.
-    A fixed number of ops for the batch: every sequence's [E, L + E] mask laid end to end and
-    scattered into the padded [B, Emax, Kmax + Emax] one (tests/test_layout.py: the loop)."""
+    A few ops per distinct mask shape, not per sequence: the sequences whose [E, L + E] masks
+    have one shape (usually all of them) are stacked and copied into the padded
+    [B, Emax, Kmax + Emax] mask at once (tests/test_layout.py: the per-sequence loop)."""
     counts = [0 if s.extra_allowed is None else int(s.extra_allowed.shape[0]) for s in seqs]
     b, k_max, e_max = len(seqs), key_valid.shape[1], max(counts)
     if e_max == 0:
         empty = torch.zeros(b, 0, dtype=torch.long)
         return empty, torch.zeros(0, dtype=torch.long), torch.zeros(b, 0, k_max, dtype=torch.bool)
-    has = [i for i, e in enumerate(counts) if e]
-    masks = [seqs[i].extra_allowed for i in has]
-    for i, m in zip(has, masks):
-        assert m.shape == (counts[i], seqs[i].key_slots.numel() + counts[i]), \
-            "extra_allowed must be [E, L + E]"
-    e, cols = torch.tensor([m.shape for m in masks], dtype=torch.long).t()   # [S] each
-    sizes = e * cols
-    which = torch.repeat_interleave(torch.tensor(has), sizes, output_size=int(sizes.sum()))
-    local = torch.arange(which.numel()) - torch.repeat_interleave(
-        torch.cumsum(sizes, 0) - sizes, sizes, output_size=which.numel())
-    width = torch.repeat_interleave(cols, sizes, output_size=which.numel())
-    length = width - torch.repeat_interleave(e, sizes, output_size=which.numel())
-    row, col = local // width, local % width
-    key = col < length                                  # a canvas column, else an extra row's
-    value = torch.cat([m.reshape(-1) for m in masks])
-    value &= ~key | key_valid[which, col.clamp(max=k_max - 1)]
     num = torch.tensor(counts)                                   # [B]
     rows = torch.arange(e_max)
     real = rows < num[:, None]                                   # [B, Emax]
     ex_allowed = torch.zeros(b, e_max, k_max + e_max, dtype=torch.bool)
     ex_allowed[:, :, 0] = ~real                 # padded rows see one key; their output is dropped
-    ex_allowed[which, row, torch.where(key, col, k_max + col - length)] = value
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(seqs):
+        if counts[i]:
+            assert s.extra_allowed.shape == (counts[i], s.key_slots.numel() + counts[i]), \
+                "extra_allowed must be [E, L + E]"
+            shapes.setdefault(tuple(s.extra_allowed.shape), []).append(i)
+    for (e, width), members in shapes.items():
+        length, idx = width - e, torch.tensor(members)
+        masks = torch.stack([seqs[i].extra_allowed for i in members])   # [S, E, L + E]
+        ex_allowed[idx, :e, :length] = masks[:, :, :length] & key_valid[idx, None, :length]
+        ex_allowed[idx, :e, k_max:k_max + e] = masks[:, :, length:]
     first = offset + torch.cumsum(num, 0) - num                  # each sequence's first row
     ex_index = (first[:, None] + rows).masked_fill(~real, 0)
     return ex_index, real.reshape(-1).nonzero().flatten(), ex_allowed
