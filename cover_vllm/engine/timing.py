@@ -5,7 +5,8 @@ Host time, as the benches report it, is the time the device would sit idle waiti
 a step's wall time minus the forward and minus the decoders' tensor work on the logits
 (`decide_s`). On a GPU that work is kernels the host only launches; on the CPU the logits'
 device is the host itself, so the same work is timed op by op (`LogitsOpTimer`): only the aten
-ops that read or write a tensor whose last dimension is the vocabulary count as device work,
+ops that read or write a tensor spanning the vocabulary (its last dimension, or its trailing
+dimensions where a row is split into chunks) count as device work,
 not the Python around them nor any op on the small per-row tensors ([n, W] masks, counts).
 """
 
@@ -19,10 +20,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _touches(tree, vocab: int) -> bool:
-    """Whether a tensor of `tree` (an op's args or result: tensors, lists, tuples, dicts) has
-    `vocab` as its last dimension."""
+    """Whether a tensor of `tree` (an op's args or result: tensors, lists, tuples, dicts) spans
+    the vocabulary in its trailing dimensions: [..., vocab], or a view of such rows split into
+    chunks ([..., vocab / c, c]: the CPU argmax's chunked maxima, strategies/sampling.py
+    `greedy`). The leading dimension never counts, so [n, W] with n·W = vocab does not."""
     if isinstance(tree, torch.Tensor):
-        return tree.dim() > 0 and tree.shape[-1] == vocab
+        shape, span = tree.shape, 1
+        for d in range(tree.dim() - 1, 0 if tree.dim() > 1 else -1, -1):
+            span *= shape[d]
+            if span >= vocab:
+                return span == vocab
+        return False
     if isinstance(tree, (list, tuple)):
         return any(_touches(t, vocab) for t in tree)
     if isinstance(tree, dict):
