@@ -15,7 +15,6 @@ below `final_verify_below` has gone stale (its context changed after it was judg
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
