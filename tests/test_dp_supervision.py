@@ -118,6 +118,8 @@ class _Actor:
         return _Method(self, name)
 
     def _add_request(self, request_id, prompt, params, context_len):
+        if max(prompt) >= 64:
+            raise ValueError(f"token id {max(prompt)} outside the vocabulary")
         self.requests.append(request_id)
 
     def _poll(self, timeout_s, after):
@@ -209,11 +211,11 @@ def _router(num_replicas: int, policy: RestartPolicy, nodes=("node0", "node1"),
     return router
 
 
-def _submission(rid: str):
+def _submission(rid: str, prompt=(1, 2, 3)):
     from cover_vllm.engine.driver import Submission
     from cover_vllm.sampling_params import SamplingParams
 
-    return Submission(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+    return Submission(rid, list(prompt), SamplingParams(max_tokens=4))
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:
@@ -358,3 +360,19 @@ def test_a_request_being_placed_on_a_replica_that_freezes_moves_instead_of_hangi
         assert not router._replicas[1].alive and router.health() is None
         _stop_tasks(router)
     asyncio.run(run())
+
+
+def test_one_router_serves_one_event_loop_after_another_and_bad_input_still_raises():
+    """What tests and notebooks do (asyncio.run per call): nothing the router keeps is bound to
+    the first loop, and a replica's ValueError reaches the caller unchanged."""
+    router = _router(2, RestartPolicy(max_restarts=0))
+
+    async def submit(rid, prompt=(1, 2, 3)):
+        stream = await router.submit(_submission(rid, prompt))
+        _stop_tasks(router)
+        return stream.replica
+    assert asyncio.run(submit("r0")) == 0
+    assert asyncio.run(submit("r1")) == 1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(submit("bad", (10 ** 6,)))
+    assert [c["in_flight"] for c in router.replica_counts()] == [1, 1]

@@ -27,7 +27,7 @@ from typing import Any
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.driver import Submission
 from cover_vllm.entrypoints.server.dp_launch import ReplicaLauncher
-from cover_vllm.entrypoints.server.dp_state import ReplicaSlot, ReplicaStream
+from cover_vllm.entrypoints.server.dp_state import ReplicaSlot, ReplicaStream, awaited
 from cover_vllm.entrypoints.server.dp_liveness import Liveness, LivenessPolicy, probe_until_lost
 from cover_vllm.entrypoints.server.dp_supervision import (RestartPolicy, fatal_problem,
                                                           health_problem, pick_replica)
@@ -122,7 +122,7 @@ class DPRouter:
             self._streams[stream.request_id] = stream
             actor = replica.actor
             try:      # a replica taken out meanwhile (frozen: no answer ever) moved the request
-                await _unless(replica.lost, actor.add_request.remote(
+                await replica.unless_lost(actor.add_request.remote(
                     sub.request_id, list(sub.prompt_token_ids), sub.params, sub.context_len))
                 return
             except BaseException as exc:
@@ -264,7 +264,7 @@ class DPRouter:
         if not replica.alive or replica.actor is not actor:
             return
         replica.alive = False
-        replica.lost.set()
+        replica.lose()
         self._lost_nodes[replica.placed.node] = time.monotonic()
         for task in (replica.task, replica.probe_task):   # a frozen replica's calls never end
             if task is not None and task is not asyncio.current_task():
@@ -305,7 +305,7 @@ class DPRouter:
         once its engine has loaded."""
         if responsive:
             try:
-                await asyncio.wait_for(_awaited(replica.actor.shutdown.remote()),
+                await asyncio.wait_for(awaited(replica.actor.shutdown.remote()),
                                        SHUTDOWN_TIMEOUT_S)
             except Exception:                                # gone already, or stuck
                 pass
@@ -319,7 +319,7 @@ class DPRouter:
                 placed = await self.launcher.relaunch(
                     replica.index, others, self.restart.quarantined(self._lost_nodes,
                                                                     time.monotonic()))
-                info = await asyncio.wait_for(_awaited(placed.actor.ready.remote()),
+                info = await asyncio.wait_for(awaited(placed.actor.ready.remote()),
                                               READY_TIMEOUT_S)
             except Exception as exc:
                 self.launcher.retire(placed)
@@ -332,7 +332,7 @@ class DPRouter:
                 self.launcher.retire(placed)
                 raise
             replica.placed, replica.handled, replica.gauges = placed, 0, {}
-            replica.seen, replica.lost = Liveness(self.probes, time.monotonic()), asyncio.Event()
+            replica.seen = Liveness(self.probes, time.monotonic())
             replica.alive, replica.restarting = True, False
             replica.restarts += 1
             self.infos[replica.index] = info
@@ -374,21 +374,3 @@ def _brief(exc: BaseException, limit: int = 400) -> str:
     lines = [ln.strip() for ln in str(_cause(exc)).splitlines() if ln.strip()]
     text = " ".join(lines[:3]) or type(exc).__name__
     return text[:limit]
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
-
-
-async def _unless(lost: asyncio.Event, ref: Any) -> Any:
-    """`ref`'s result (or its error), or None as soon as `lost` is set (the call is left
-    unanswered: a frozen replica never answers)."""
-    call = asyncio.ensure_future(_awaited(ref))
-    gone = asyncio.ensure_future(lost.wait())
-    try:
-        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not call.done():
-            call.cancel()
-    return call.result() if call.done() and not call.cancelled() else None

@@ -57,11 +57,31 @@ class ReplicaSlot:
     task: asyncio.Task | None = None   # its poll loop
     probe_task: asyncio.Task | None = None
     restart_task: asyncio.Task | None = None
-    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set when taken out
+    waiting: set[asyncio.Future] = field(default_factory=set)   # calls `lose` ends
 
     @property
     def actor(self) -> Any:
         return self.placed.actor
+
+    async def unless_lost(self, ref: Any) -> Any:
+        """The Ray call `ref`'s result (or its error), or None as soon as this replica is taken
+        out (`lose`): a frozen replica never answers."""
+        gone = asyncio.get_running_loop().create_future()
+        self.waiting.add(gone)
+        call = asyncio.ensure_future(awaited(ref))
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting.discard(gone)
+            if not call.done():
+                call.cancel()
+        return call.result() if call.done() and not call.cancelled() else None
+
+    def lose(self) -> None:
+        """It was taken out: every `unless_lost` waiting on it returns."""
+        for gone in self.waiting:
+            if not gone.done():
+                gone.set_result(None)
 
     def counts(self, now: float) -> dict[str, Any]:
         """index, alive, restarting, restarts, in_flight, served (finished requests),
@@ -72,3 +92,8 @@ class ReplicaSlot:
                 "in_flight": self.in_flight, "served": self.served,
                 "last_seen_s": self.seen.age(now), "node_id": self.placed.node.node_id,
                 "node_ip": self.placed.node.ip}
+
+
+async def awaited(ref: Any) -> Any:
+    """A Ray call's result as a coroutine (what asyncio.wait_for and ensure_future take)."""
+    return await ref
