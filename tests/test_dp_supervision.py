@@ -270,7 +270,7 @@ def _stop_tasks(router) -> None:
         t.cancel()
 
 
-def test_a_frozen_replica_leaves_the_routing_its_requests_move_and_it_restarts_elsewhere():
+def test_a_frozen_replica_leaves_the_routing_its_requests_move_and_it_restarts_elsewhere(caplog):
     """Replica 1's node stops answering: its probe misses the deadline, its request moves to
     replica 0, the server is degraded (not unhealthy), and the replica is rebuilt on node0 (not
     on node1, which Ray still lists alive) with half of node0's memory, without waiting for the
@@ -290,6 +290,8 @@ def test_a_frozen_replica_leaves_the_routing_its_requests_move_and_it_restarts_e
         replica = router._replicas[1]
         assert replica.actor is not frozen and replica.actor.node == "node0"
         assert replica.placed.fraction == pytest.approx(0.45)
+        assert "node node0 (10.0.0.0) is over-committed: its replicas planned " \
+            "memory_utilization 1.35 in all (the budget is 0.9)" in caplog.text
         assert frozen.dead and len(router.fake.removed) == 1   # old actor killed, group removed
         assert set(router._lost_nodes) == {NodeInfo("node1", "10.0.0.1")}
         counts = router.replica_counts()

@@ -82,6 +82,11 @@ class ReplicaLauncher:
         cannot be) and start its actor there; `others` are the memory fractions the replicas
         already on `node` planned, `together` how many start there with this one."""
         config = replica_config(self.config, together, others)
+        planned = sum(others) + together * config.memory_fraction
+        if config is not self.config and planned > self.config.memory_fraction + 1e-9:
+            logger.warning("%s is over-committed: its replicas planned memory_utilization %.3g "
+                           "in all (the budget is %.3g)", node, planned,
+                           self.config.memory_fraction)
         group = make_group(self.ray, self.bundles, node)
         wait_group(self.ray, group, f"data-parallel replica {index}'s placement group on {node}")
         actor = self.actor_cls.options(**self.options, **in_bundle(group, 0)).remote(config,

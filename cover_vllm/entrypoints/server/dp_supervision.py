@@ -22,7 +22,7 @@ applies them.
   bundles hold devices of its own, so nothing is split). R replicas placed on one host together
   get memory_utilization / R each; a replica joining a host where others already planned theirs
   gets what they left, and never less than an equal share (the host is then over-committed, which
-  the router logs). An explicit kv_cache_memory_bytes is the user's own per-replica figure and is
+  the launcher logs). An explicit kv_cache_memory_bytes is the user's own per-replica figure and is
   left alone.
 """
 
