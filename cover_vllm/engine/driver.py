@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -89,6 +90,7 @@ class EngineDriver:
         self._groups: deque[list[Submission]] = deque()         # suspect groups still to replay
         self._replaying = False                                 # a suspect group is running
         self._steps_left: int | None = None                     # None: no step limit
+        self._step_started: float | None = None                 # monotonic; None between steps
         self.num_failed_steps = 0
 
     # ---- any thread ------------------------------------------------------------------------
@@ -125,6 +127,12 @@ class EngineDriver:
                                   or steps < 0):
             raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         self._commands.put(("limit", steps))
+
+    def step_age_s(self) -> float:
+        """How long the engine step now running has run (0 between steps): a data-parallel
+        router's step deadline reads it."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def held(self) -> bool:
@@ -217,12 +225,15 @@ class EngineDriver:
         self.sink.aborted(request_id)
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
             dead = self.health() is not None     # then no request is to blame: fail them all
             (self._fail_all if dead else self._isolate)(exc)
             return
+        finally:
+            self._step_started = None
         for out in outputs:
             if out.request_id not in self._live:
                 continue

@@ -26,6 +26,7 @@ from typing import Any
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel
+from cover_vllm.executor.placement import current_node
 from cover_vllm.executor.step_delta import StepDecoder
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.spec import ModelSpec
@@ -45,8 +46,11 @@ class ShardWorker:
         self.worker = Worker(config, resolved, spec, TensorParallel(rank, world_size, self.comm))
         self.steps = StepDecoder()
 
-    def info(self) -> dict[str, int]:
-        return {"pid": os.getpid(), "num_pages": self.worker.num_pages}
+    def info(self) -> dict[str, Any]:
+        """pid, KV pages, and the Ray node this rank runs on (None for an "mp" process)."""
+        node = current_node()
+        return {"pid": os.getpid(), "num_pages": self.worker.num_pages,
+                "node_id": node and node.node_id, "node_ip": node and node.ip}
 
     def peak_memory(self) -> int:
         """This rank's peak resident memory (VmHWM) in bytes."""
@@ -54,8 +58,9 @@ class ShardWorker:
 
         return peak_rss_bytes()
 
-    def connect(self, host: str, port: int) -> None:
-        self.comm.connect(host, port)
+    def connect(self, host: str, port: int) -> str:
+        """Join the driver's group (its store at `host`:`port`); returns this rank's address."""
+        return self.comm.connect(host, port)
 
     def execute_model(self, message: SchedulerOutput) -> str | None:
         """Run the step the driver encoded (executor/step_delta.py). None on success; else the

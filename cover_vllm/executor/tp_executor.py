@@ -10,6 +10,9 @@ Failure handling: any error in a step (a dead rank closes its sockets, so the dr
 all-reduce fails at once; a hung rank trips the collective or reply timeout) is diagnosed
 (which rank, its pid, exit code or traceback), every remote rank is stopped, and the executor
 turns dead: this step and every later call raise the same `WorkerDiedError` / `ExecutorError`.
+
+Once the group has formed, `placement` says where each remote rank runs (pid, Ray node, the
+address its group sockets use), and a Ray rank's is logged, one line per rank.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from cover_vllm.distributed.comm import GroupComm
 from cover_vllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from cover_vllm.executor.base import (REBUILD_ADVICE, ExecutorError, RemoteRankError,
                                       RemoteRanks, WorkerDiedError)
+from cover_vllm.executor.placement import NodeInfo
 from cover_vllm.executor.step_delta import StepEncoder
+from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import ResolvedModel, local_config
 from cover_vllm.models.loader import build_model
 from cover_vllm.models.spec import ModelSpec
@@ -29,6 +34,7 @@ from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.worker import Worker
 
+logger = init_logger(__name__)
 STARTUP_TIMEOUT_S = 600.0     # loading a large checkpoint on every rank can take minutes
 DIAGNOSE_GRACE_S = 5.0        # how long a failed step waits to learn which rank went away
 
@@ -58,10 +64,16 @@ class TPExecutor:
             port = self.comm.serve_store(ranks.host)
             pending = ranks.call("connect", ranks.host, port)
             self.comm.connect(ranks.host, port)
-            self._startup(pending, "join the process group", self.timeout_s)
+            addresses = self._startup(pending, "join the process group", self.timeout_s)
         except BaseException:
             self.shutdown()
             raise
+        self.placement = [{"rank": rank, "pid": info["pid"], "node_id": info.get("node_id"),
+                           "node_ip": info.get("node_ip"), "address": address}
+                          for rank, (info, address) in enumerate(zip(infos, addresses), 1)]
+        for where in self.placement:
+            if where["node_id"] is not None:              # a Ray actor: say which node
+                logger.info("%s", describe_rank(where))
 
     def _startup(self, pending, what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> list:
         try:
@@ -125,6 +137,13 @@ class TPExecutor:
         """Stop every remote rank and close the process group; idempotent."""
         self._closed = True
         self._finalizer()
+
+
+def describe_rank(where: dict) -> str:
+    """One log line for a remote rank: its pid, node and gloo address."""
+    node = NodeInfo(where["node_id"], where["node_ip"]) if where.get("node_id") else "this host"
+    return (f"tensor-parallel rank {where['rank']} (pid {where['pid']}) on {node}, "
+            f"group address {where['address']}")
 
 
 def _stop(ranks: RemoteRanks, comm: GroupComm) -> None:

@@ -7,8 +7,9 @@ Outputs are numbered and stay in the outbox until a later poll acknowledges them
 an answer that never reaches the router (a poll whose caller was cancelled) is sent again. A
 request the driver fails arrives as its error text. Once the engine is dead (a tensor-parallel
 worker died) the replica refuses new requests and its gauges carry `fatal` (the reason), on
-which the router retires it. `limit_steps(n)` holds the replica after n more engine steps (the
-driver's drain point; tests use it to keep a request in flight).
+which the router retires it. `ping` answers the router's liveness probes from a thread of its
+own. `limit_steps(n)` holds the replica after n more engine steps (the driver's drain point;
+tests use it to keep a request in flight).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from typing import Any
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.driver import EngineDriver, Submission
 from cover_vllm.engine.engine import Engine
+from cover_vllm.executor.placement import current_node
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
+
+PROBE_GROUP = "probe"     # the Ray concurrency group (one thread) `ping` runs in
 
 # one poll result: [(number, request_id, RequestOutput | error text)], and the load gauges
 PollResult = tuple[list[tuple[int, str, Any]], dict[str, int]]
@@ -39,9 +43,19 @@ class EngineReplica:
         self.driver = EngineDriver(self.engine, self, name=f"dp-replica-{index}")
         self.driver.start()
 
-    def ready(self) -> dict[str, int]:
+    def ready(self) -> dict[str, Any]:
+        """Its index, pid, KV pages, Ray node, and where its tensor-parallel ranks run
+        (TPExecutor.placement; none at TP=1)."""
+        node = current_node()
         return {"index": self.index, "pid": os.getpid(),
-                "num_pages": self.engine.load().pages_total}
+                "num_pages": self.engine.load().pages_total,
+                "node_id": node and node.node_id, "node_ip": node and node.ip,
+                "ranks": list(getattr(self.engine.executor, "placement", []))}
+
+    def ping(self) -> dict[str, float]:
+        """The router's liveness probe (its own Ray concurrency group, PROBE_GROUP, so busy
+        request threads never delay it): how long the running engine step has run."""
+        return {"step_age_s": self.driver.step_age_s()}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, context_len: int | None = None) -> None:

@@ -1,115 +1,80 @@
 """DPRouter: N engine replicas (Ray actors, dp_replica.py) behind one least-loaded router that
-heals: a dead replica leaves the routing at once and is restarted in the background.
+heals: a dead or unresponsive replica leaves the routing at once and is restarted elsewhere.
 
-Data-parallel serving (`cover-vllm serve --data-parallel-size N`). The router is asyncio-side
-and implements the EngineClient protocol (client.py), like the server's engine loop, so the
-server can hold either. The rules it applies (routing, health, restart backoff, the memory
-split between replicas on one host) are in dp_supervision.py.
+Data-parallel serving (`cover-vllm serve --data-parallel-size N`); an EngineClient (client.py)
+like the server's engine loop. Rules: dp_supervision.py (routing, health, restarts, nodes,
+memory), dp_liveness.py (probes); placement: dp_launch.py (a placement group per replica).
 
-A request goes to the live replica with the fewest requests in flight and stays there. One
-asyncio task per replica long-polls it for outputs and routes them to the streams. A replica
-dies when its actor is gone (noticed by the poll within `poll_s`, or by a submit) or reports its
-engine dead (a tensor-parallel worker died). Then its requests that have seen no output yet move
-to a live replica (nothing was streamed, and the server fixed their seeds, so nothing is lost or
-repeated); the others fail: `stream.get()` raises `error_cls` (pass the server's
-EngineRequestError). A request refused by a dying replica is placed on another the same way.
-The dead replica is rebuilt in the background (RestartPolicy) and rejoins once loaded. The router
-is `fatal` (the server exits) only when every replica is dead and none is being restarted.
-Validation errors of Engine.add_request (ValueError / TypeError) are raised by `submit` unchanged.
+A request goes to the live replica with the fewest requests in flight and stays there. Per
+replica one task long-polls it for outputs and one probes it. A replica is taken out when its
+actor is gone, its engine reports itself dead (a TP worker died), or dp_liveness's rules say it
+is lost (a missed probe deadline: a frozen process or node; a step past the step deadline; a
+lasting "temporarily unavailable"). Its requests that have seen no output yet then move to a
+live replica (nothing was streamed and their seeds are fixed, so nothing is lost or repeated);
+the others fail: `stream.get()` raises `error_cls` (the server's EngineRequestError). It is
+rebuilt in the background and rejoins once loaded. The router is `fatal` (the server exits) only
+when every replica is dead and none is being restarted. Validation errors of
+Engine.add_request (ValueError / TypeError) are raised by `submit` unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass, field
+import time
+from collections import Counter
 from typing import Any
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.engine.driver import Submission
-from cover_vllm.entrypoints.server.dp_replica import EngineReplica
+from cover_vllm.entrypoints.server.dp_launch import ReplicaLauncher
+from cover_vllm.entrypoints.server.dp_state import ReplicaSlot, ReplicaStream, awaited
+from cover_vllm.entrypoints.server.dp_liveness import Liveness, LivenessPolicy, probe_until_lost
 from cover_vllm.entrypoints.server.dp_supervision import (RestartPolicy, fatal_problem,
-                                                          health_problem, pick_replica,
-                                                          replica_config, replicas_per_host)
+                                                          health_problem, pick_replica)
 from cover_vllm.executor.ray_ranks import ensure_ray, ray_module
+from cover_vllm.logger import init_logger
 from cover_vllm.outputs import RequestOutput
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 READY_TIMEOUT_S = 600.0
-
-
-class ReplicaStream:
-    """One request's outputs (or its error), in arrival order."""
-
-    def __init__(self, submission: Submission, replica: int):
-        self.submission, self.replica = submission, replica
-        self.started = False               # an output was routed to it (it cannot move now)
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    @property
-    def request_id(self) -> str:
-        return self.submission.request_id
-
-    def put(self, item: RequestOutput | Exception) -> None:
-        self.started = True
-        self._queue.put_nowait(item)
-
-    async def get(self) -> RequestOutput:
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-
-@dataclass
-class _Replica:
-    index: int
-    actor: Any
-    alive: bool = True
-    restarting: bool = False           # dead; a restart is waiting out its backoff or loading
-    in_flight: int = 0                 # requests routed here and not finished / aborted
-    served: int = 0                    # requests that finished here
-    handled: int = 0                   # number of the last output routed (acknowledged next poll)
-    attempts: int = 0                  # restart attempts so far (RestartPolicy caps them)
-    restarts: int = 0                  # restarts that brought it back
-    gauges: dict[str, int] = field(default_factory=dict)
-    task: asyncio.Task | None = None   # its poll loop
-    restart_task: asyncio.Task | None = None
+SHUTDOWN_TIMEOUT_S = 10.0     # a dead replica that still answers gets this long to stop
 
 
 class DPRouter:
     def __init__(self, config: EngineConfig, data_parallel_size: int, *,
                  error_cls: type[Exception] = RuntimeError, metrics: Any = None,
-                 poll_s: float = 0.5, restart: RestartPolicy = RestartPolicy()):
+                 poll_s: float = 0.5, restart: RestartPolicy = RestartPolicy(),
+                 probes: LivenessPolicy = LivenessPolicy()):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or \
                 data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got "
                              f"{data_parallel_size!r}")
         ray = ray_module()
         self.error_cls, self.metrics, self.poll_s = error_cls, metrics, poll_s
-        self.restart = restart
+        self.restart, self.probes, self.config = restart, probes, config
         self._owns_ray = ensure_ray()
-        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
-        self.config = replica_config(config, replicas_per_host(data_parallel_size, nodes))
-        if self.config is not config:
-            logger.info("%d data-parallel replicas per host: each plans memory_utilization=%.3g",
-                        replicas_per_host(data_parallel_size, nodes),
-                        self.config.memory_fraction)
         self._streams: dict[str, ReplicaStream] = {}
         self._tasks: set[asyncio.Task] = set()        # background moves (strong references)
         self._stopped = False
-        self._actor_cls = ray.remote(EngineReplica).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0,
-            scheduling_strategy="SPREAD" if nodes > 1 else "DEFAULT")
-        self._replicas = [_Replica(i, self._actor_cls.remote(self.config, i))
-                          for i in range(data_parallel_size)]
+        self._lost_nodes: dict[Any, float] = {}       # node -> when a replica there was lost
+        self.launcher = ReplicaLauncher(ray, config)
+        self._replicas: list[ReplicaSlot] = []
         try:
+            nodes = self.launcher.start_nodes(data_parallel_size)
+            together = Counter(nodes)
+            for i, node in enumerate(nodes):
+                self._replicas.append(ReplicaSlot(i, self.launcher.launch(i, node, (),
+                                                                       together[node]),
+                                               Liveness(probes, time.monotonic())))
             self.infos = ray.get([r.actor.ready.remote() for r in self._replicas],
                                  timeout=READY_TIMEOUT_S)
         except Exception as exc:
             self.stop()
             raise RuntimeError(f"a data-parallel engine replica failed to start: "
                                f"{_brief(exc)}") from None
+        for replica, info in zip(self._replicas, self.infos):
+            replica.seen.seen(time.monotonic())
+            self.launcher.describe(replica.index, replica.placed, info)
 
     # ---- the EngineClient protocol ---------------------------------------------------------
     def start(self) -> None:
@@ -151,22 +116,28 @@ class DPRouter:
                 raise self.error_cls(self.health() or "no data-parallel replica can take the "
                                      "request (every live one refused it)")
             tried.add(replica.index)
-            stream.replica = replica.index
+            stream.replica, attempt = replica.index, stream.attempt + 1
+            stream.attempt = attempt
             replica.in_flight += 1
             self._streams[stream.request_id] = stream
             actor = replica.actor
-            try:
-                await actor.add_request.remote(sub.request_id, list(sub.prompt_token_ids),
-                                               sub.params, sub.context_len)
+            try:      # a replica taken out meanwhile (frozen: no answer ever) moved the request
+                await replica.unless_lost(actor.add_request.remote(
+                    sub.request_id, list(sub.prompt_token_ids), sub.params, sub.context_len))
                 return
             except BaseException as exc:
+                if stream.attempt != attempt and isinstance(exc, Exception):
+                    return                                   # taken over by a move
                 self._forget(stream)
                 if not isinstance(exc, Exception):           # cancelled: nothing was queued
                     raise
                 cause = _cause(exc)
                 if isinstance(cause, (ValueError, TypeError)):
                     raise cause from None
-                if isinstance(exc, ray_module().exceptions.RayActorError):
+                errors = ray_module().exceptions
+                if isinstance(exc, errors.ActorUnavailableError):   # it may come back
+                    self._unavailable(replica, actor)
+                elif isinstance(exc, errors.RayActorError):
                     self._replica_died(replica, exc, actor)
                 logger.warning("data-parallel replica %d refused %s (%s); trying another",
                                replica.index, sub.request_id, _brief(exc))
@@ -190,42 +161,50 @@ class DPRouter:
         for stream in list(self._streams.values()):
             stream.put(self.error_cls("the server is shutting down"))
         self._streams.clear()
-        for task in [*self._tasks, *(t for r in self._replicas for t in (r.task, r.restart_task)
+        for task in [*self._tasks, *(t for r in self._replicas
+                                     for t in (r.task, r.probe_task, r.restart_task)
                                      if t is not None)]:
             task.cancel()
         stops = [r.actor.shutdown.remote() for r in self._replicas if r.alive]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=timeout)
         for r in self._replicas:
-            _kill(r.actor)
+            self.launcher.retire(r.placed)
             r.alive = r.restarting = False
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
     # ---- counters --------------------------------------------------------------------------
     def replica_counts(self) -> list[dict[str, Any]]:
-        """Per replica: index, alive, restarting, restarts, in_flight, served (finished
-        requests), last gauges."""
-        return [{**r.gauges, "index": r.index, "alive": r.alive, "restarting": r.restarting,
-                 "restarts": r.restarts, "in_flight": r.in_flight, "served": r.served}
-                for r in self._replicas]
+        """Per replica, ReplicaSlot.counts."""
+        now = time.monotonic()
+        return [r.counts(now) for r in self._replicas]
 
     # ---- polling ---------------------------------------------------------------------------
     def _ensure_polling(self) -> None:
+        loop = asyncio.get_running_loop()
         for r in self._replicas:
             if r.alive and (r.task is None or r.task.done()):     # none yet, or its loop ended
-                r.task = asyncio.get_running_loop().create_task(self._poll(r))
+                r.task = loop.create_task(self._poll(r))
+            if r.alive and (r.probe_task is None or r.probe_task.done()):
+                r.probe_task = loop.create_task(self._probe(r))
 
-    async def _poll(self, replica: _Replica) -> None:
+    async def _poll(self, replica: ReplicaSlot) -> None:
         ray, actor = ray_module(), replica.actor
         while replica.alive and replica.actor is actor and not self._stopped:
             try:
                 items, gauges = await actor.poll.remote(self.poll_s, replica.handled)
             except asyncio.CancelledError:
                 raise
+            except ray.exceptions.ActorUnavailableError:      # a blip: outputs are resent
+                if self._unavailable(replica, actor):
+                    return
+                await asyncio.sleep(self.probes.retry_s)
+                continue
             except ray.exceptions.RayActorError as exc:
                 self._replica_died(replica, exc, actor)
                 return
+            replica.seen.seen(time.monotonic())
             replica.gauges = gauges
             for number, request_id, item in items:
                 if number > replica.handled:       # a resend of what was routed is skipped
@@ -235,7 +214,27 @@ class DPRouter:
                 self._replica_died(replica, RuntimeError(gauges["fatal"]), actor)
             self._publish()
 
-    def _route(self, replica: _Replica, request_id: str, item: RequestOutput | str) -> None:
+    async def _probe(self, replica: ReplicaSlot) -> None:
+        """Probe `replica` until it is lost or dies (cancelled if taken out another way)."""
+        actor = replica.actor
+        try:
+            self._lose(replica, await probe_until_lost(actor, replica.seen), actor)
+        except ray_module().exceptions.RayActorError as exc:
+            self._replica_died(replica, exc, actor)
+
+    def _unavailable(self, replica: ReplicaSlot, actor: Any) -> bool:
+        """Ray said `replica` is temporarily unavailable: True once that has lasted its grace
+        (it is then taken out); False: retry."""
+        lost = replica.seen.unavailable(time.monotonic())
+        if lost is not None:
+            self._lose(replica, lost, actor)
+        return lost is not None
+
+    def _lose(self, replica: ReplicaSlot, why: str, actor: Any) -> None:
+        self._take_out(replica, f"data-parallel replica {replica.index} is lost: {why}", actor,
+                       responsive=False)
+
+    def _route(self, replica: ReplicaSlot, request_id: str, item: RequestOutput | str) -> None:
         stream = self._streams.get(request_id)
         if stream is None or stream.replica != replica.index:
             return                                           # aborted meanwhile
@@ -251,16 +250,29 @@ class DPRouter:
             if self.metrics is not None:
                 self.metrics.on_finished(item)
 
-    def _replica_died(self, replica: _Replica, exc: Exception, actor: Any) -> None:
-        """`actor` (replica's current actor, else a stale report) is dead: move or fail its
-        requests and schedule its restart."""
+    def _replica_died(self, replica: ReplicaSlot, exc: Exception, actor: Any) -> None:
+        """`actor` (replica's current actor, else a stale report) is dead: its actor is gone
+        (a Ray error), or its engine reported itself dead (the actor may still shut down)."""
+        gone = isinstance(exc, ray_module().exceptions.RayActorError)
+        self._take_out(replica, f"data-parallel replica {replica.index} died: {_brief(exc)}",
+                       actor, responsive=not gone)
+
+    def _take_out(self, replica: ReplicaSlot, error: str, actor: Any, responsive: bool) -> None:
+        """`actor` (replica's current actor, else a stale report) is dead or lost (`error`):
+        it leaves the routing, its requests move or fail, its node is avoided for a while, and
+        its restart is scheduled (`responsive`: it may still answer a shutdown)."""
         if not replica.alive or replica.actor is not actor:
             return
         replica.alive = False
-        error = f"data-parallel replica {replica.index} died: {_brief(exc)}"
+        replica.lose()
+        self._lost_nodes[replica.placed.node] = time.monotonic()
+        for task in (replica.task, replica.probe_task):   # a frozen replica's calls never end
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         logger.error("%s; %s", error, "restarting it" if not self._stopped else "stopping")
         for stream in [s for s in self._streams.values() if s.replica == replica.index]:
             self._forget(stream)
+            stream.attempt += 1                          # a pending placement there is over
             if stream.started or self._stopped:
                 stream.put(self.error_cls(error))
                 self._outcome("error")
@@ -273,11 +285,11 @@ class DPRouter:
         if delay is None:
             logger.error("data-parallel replica %d stays dead: its %d restart attempts are "
                          "spent", replica.index, replica.attempts)
-            _kill(actor)
+            self.launcher.retire(replica.placed)
             return
         replica.restarting = True
         replica.restart_task = asyncio.get_running_loop().create_task(
-            self._restart(replica, delay))
+            self._restart(replica, delay, responsive))
 
     async def _move(self, stream: ReplicaStream) -> None:
         """Place a request whose replica died before it produced anything on a live one."""
@@ -287,39 +299,47 @@ class DPRouter:
             stream.put(exc if isinstance(exc, self.error_cls) else self.error_cls(str(exc)))
             self._outcome("error")
 
-    async def _restart(self, replica: _Replica, delay: float) -> None:
-        """Rebuild `replica` after `delay` s, retrying on the policy's backoff; it rejoins the
-        routing once its engine has loaded."""
-        try:
-            await asyncio.wait_for(_awaited(replica.actor.shutdown.remote()), 10.0)
-        except Exception:                                    # gone already, or stuck
-            pass
-        _kill(replica.actor)
+    async def _restart(self, replica: ReplicaSlot, delay: float, responsive: bool) -> None:
+        """Rebuild `replica` after `delay` s, retrying on the policy's backoff, in a new
+        placement group on an alive node where no replica was just lost; it rejoins the routing
+        once its engine has loaded."""
+        if responsive:
+            try:
+                await asyncio.wait_for(awaited(replica.actor.shutdown.remote()),
+                                       SHUTDOWN_TIMEOUT_S)
+            except Exception:                                # gone already, or stuck
+                pass
+        self.launcher.retire(replica.placed)
         while delay is not None and not self._stopped:
             await asyncio.sleep(delay)
             replica.attempts += 1
-            actor = self._actor_cls.remote(self.config, replica.index)
+            placed = None
+            others = [r.placed for r in self._replicas if r is not replica and r.alive]
             try:
-                info = await asyncio.wait_for(_awaited(actor.ready.remote()), READY_TIMEOUT_S)
+                placed = await self.launcher.relaunch(
+                    replica.index, others, self.restart.quarantined(self._lost_nodes,
+                                                                    time.monotonic()))
+                info = await asyncio.wait_for(awaited(placed.actor.ready.remote()),
+                                              READY_TIMEOUT_S)
             except Exception as exc:
-                _kill(actor)
+                self.launcher.retire(placed)
                 delay = self.restart.delay_s(replica.attempts)
                 logger.error("restart %d of data-parallel replica %d failed (%s)%s",
                              replica.attempts, replica.index, _brief(exc),
                              "" if delay is not None else "; it stays dead")
                 continue
             except BaseException:                            # cancelled: the router stops
-                _kill(actor)
+                self.launcher.retire(placed)
                 raise
-            if replica.task is not None:
-                replica.task.cancel()
-            replica.actor, replica.handled, replica.gauges = actor, 0, {}
+            replica.placed, replica.handled, replica.gauges = placed, 0, {}
+            replica.seen = Liveness(self.probes, time.monotonic())
             replica.alive, replica.restarting = True, False
             replica.restarts += 1
             self.infos[replica.index] = info
             logger.warning("data-parallel replica %d is back (restart %d, pid %s)",
                            replica.index, replica.restarts, info.get("pid"))
-            replica.task = asyncio.get_running_loop().create_task(self._poll(replica))
+            self.launcher.describe(replica.index, placed, info)
+            self._ensure_polling()
             return
         replica.restarting = False
 
@@ -354,17 +374,3 @@ def _brief(exc: BaseException, limit: int = 400) -> str:
     lines = [ln.strip() for ln in str(_cause(exc)).splitlines() if ln.strip()]
     text = " ".join(lines[:3]) or type(exc).__name__
     return text[:limit]
-
-
-async def _awaited(ref: Any) -> Any:
-    return await ref
-
-
-def _kill(actor: Any) -> None:
-    ray = ray_module()
-    if not ray.is_initialized():                             # never start Ray to kill
-        return
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:                                        # already gone
-        pass

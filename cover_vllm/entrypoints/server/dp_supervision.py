@@ -1,5 +1,6 @@
 """How a data-parallel server heals: which replica takes a request, when the server is healthy,
-how a dead replica is restarted (backoff, a cap), and how replicas on one host split its memory.
+how a dead replica is restarted (backoff, a cap), which node each replica runs on, and how
+replicas on one host split its memory.
 
 Pure rules over small replica states, so they are tested without Ray; DPRouter (dp_router.py)
 applies them.
@@ -12,17 +13,24 @@ applies them.
 * Restarts: a dead replica is rebuilt in the background; attempt k (0-based, counted over the
   server's life) waits `min(base_delay_s * 2**k, max_delay_s)` first, and after `max_restarts`
   attempts the replica stays dead.
-* Memory: replicas that share a host share its budget. Each gets memory_utilization / R, where R
-  is the number of replicas per host (all N on a one-node Ray cluster, the local case; on a
-  cluster of several nodes the replicas are spread and R = ceil(N / nodes)). An explicit
-  kv_cache_memory_bytes is the user's own per-replica figure and is left alone.
+* Nodes: at start, replicas go to distinct alive nodes when there are at least as many as
+  replicas (strict spread); otherwise round robin over the nodes (a fallback the router logs).
+  A restart goes to the alive node with the fewest replicas among those where no replica was
+  lost in the last `quarantine_s` (a node the router saw die may still be "alive" to Ray for
+  seconds); only when every alive node is such a node does it go to the least loaded of them.
+* Memory: replicas that share a host share its budget (CPU: host memory; on GPUs each replica's
+  bundles hold devices of its own, so nothing is split). R replicas placed on one host together
+  get memory_utilization / R each; a replica joining a host where others already planned theirs
+  gets what they left, and never less than an equal share (the host is then over-committed, which
+  the launcher logs). An explicit kv_cache_memory_bytes is the user's own per-replica figure and is
+  left alone.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import Collection, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 from cover_vllm.config import EngineConfig
 
@@ -35,6 +43,7 @@ class ReplicaState(Protocol):
 
 
 R = TypeVar("R", bound=ReplicaState)
+N = TypeVar("N", bound=Hashable)       # a node (executor/placement.py NodeInfo)
 
 
 def pick_replica(replicas: Sequence[R]) -> R | None:
@@ -69,6 +78,7 @@ class RestartPolicy:
     max_restarts: int = 5
     base_delay_s: float = 1.0
     max_delay_s: float = 30.0
+    quarantine_s: float = 60.0      # a node where a replica was lost gets no restart this long
 
     def __post_init__(self):
         if self.max_restarts < 0:
@@ -76,6 +86,12 @@ class RestartPolicy:
         if not 0 <= self.base_delay_s <= self.max_delay_s:
             raise ValueError(f"need 0 <= base_delay_s <= max_delay_s, got {self.base_delay_s} "
                              f"and {self.max_delay_s}")
+        if self.quarantine_s < 0:
+            raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
+
+    def quarantined(self, lost: Mapping[N, float], now: float) -> set[N]:
+        """The nodes where a replica was lost (node -> when) within `quarantine_s` of `now`."""
+        return {node for node, when in lost.items() if now - when < self.quarantine_s}
 
     def delay_s(self, attempt: int) -> float | None:
         """Seconds to wait before restart attempt `attempt` (0-based), or None past the cap."""
@@ -84,15 +100,42 @@ class RestartPolicy:
         return min(self.base_delay_s * 2 ** min(attempt, 62), self.max_delay_s)
 
 
+def spread_nodes(num_replicas: int, nodes: Sequence[N]) -> tuple[list[N], bool]:
+    """Each replica's node at start: distinct nodes, in order, when there are at least as many
+    as replicas (True); else round robin over `nodes` (False: the caller logs the fallback)."""
+    if not nodes:
+        raise ValueError("no alive Ray node to place a data-parallel replica on")
+    return [nodes[i % len(nodes)] for i in range(num_replicas)], len(nodes) >= num_replicas
+
+
+def restart_node(nodes: Sequence[N], load: Mapping[N, int],
+                 avoid: Collection[N]) -> tuple[N | None, bool]:
+    """The node for a replica being restarted, and whether it avoids every node in `avoid`:
+    the least loaded (`load`: replicas placed there; ties: the first) alive node not in
+    `avoid`; when all are, the least loaded of them (False: the caller logs it); None when no
+    node is alive."""
+    fresh = [n for n in nodes if n not in avoid]
+    pool = fresh or list(nodes)
+    if not pool:
+        return None, False
+    return min(pool, key=lambda n: (load.get(n, 0), pool.index(n))), bool(fresh)
+
+
 def replicas_per_host(num_replicas: int, num_nodes: int) -> int:
     """How many of `num_replicas` share one host when spread over `num_nodes` nodes."""
     return math.ceil(num_replicas / max(1, num_nodes))
 
 
-def replica_config(config: EngineConfig, per_host: int) -> EngineConfig:
-    """`config` for one of `per_host` replicas sharing a host: memory_utilization / per_host,
-    unless the user fixed the KV pool (kv_cache_memory_bytes) or there is nothing to split."""
-    if per_host <= 1 or config.kv_cache_memory_bytes is not None:
+def replica_config(config: EngineConfig, per_host: int = 1,
+                   others: Sequence[float] = ()) -> EngineConfig:
+    """`config` for one of `per_host` replicas placed together on a host where `others` (the
+    memory fractions other replicas planned there) already run: what the others left, split
+    `per_host` ways, and never less than an equal share of the host. Unchanged when the user
+    fixed the KV pool (kv_cache_memory_bytes), on GPUs (each replica has devices of its own),
+    or when there is nothing to split."""
+    if (per_host <= 1 and not others) or config.kv_cache_memory_bytes is not None or \
+            str(config.device).startswith("cuda"):
         return config
-    return config.with_overrides(memory_utilization=config.memory_fraction / per_host,
-                                 gpu_memory_utilization=None)
+    total = config.memory_fraction
+    fraction = max((total - sum(others)) / per_host, total / (len(others) + per_host))
+    return config.with_overrides(memory_utilization=fraction, gpu_memory_utilization=None)

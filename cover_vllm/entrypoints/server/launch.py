@@ -4,7 +4,9 @@ in a background thread on a free loopback port, for tests and notebooks).
 Parallelism: `tensor_parallel_size` / `distributed_executor_backend` go into the EngineConfig;
 `data_parallel_size` > 1 serves that many whole engines (Ray actors) behind a DPRouter, on the
 Ray cluster at `ray_address` when given, else on a small local Ray instance (RAY_ADDRESS is
-honoured too).
+honoured too). A named cluster means Ray for the tensor-parallel ranks too: with `ray_address`
+and no backend chosen they are Ray actors (as vLLM picks Ray when given a cluster), and an
+explicit "mp" that would leave the cluster unused is refused, saying what to pass.
 
 A server whose engine can never serve again shuts itself down (app.py's watchdog):
 `cover-vllm serve` then exits with status 1, `ServerThread` stops serving (`fatal_error`)."""
@@ -40,20 +42,37 @@ class ServeArgs:
     chat_template: str | None = None     # the template's text (chat.load_chat_template)
 
     @property
+    def engine_config(self) -> EngineConfig:
+        """`engine`, its tensor-parallel ranks on Ray when a cluster is named (`ray_address`)
+        and no backend was chosen."""
+        e = self.engine
+        if self.ray_address is not None and e.tensor_parallel_size > 1 and \
+                e.distributed_executor_backend is None:
+            return e.with_overrides(distributed_executor_backend="ray")
+        return e
+
+    @property
     def needs_ray(self) -> bool:
         return (self.data_parallel_size > 1
-                or self.engine.distributed_executor_backend == "ray")
+                or self.engine_config.distributed_executor_backend == "ray")
 
 
 def make_app(args: ServeArgs):
     """The app for `args`: one Engine, or a DPRouter over `data_parallel_size` replicas."""
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    config = args.engine_config
     if args.ray_address is not None and not args.needs_ray:
+        if config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"ray_address={args.ray_address!r} names a Ray cluster, but "
+                "distributed_executor_backend='mp' runs the tensor-parallel ranks as local "
+                "processes and nothing else would use the cluster: pass "
+                "--distributed-executor-backend ray to run them there, or drop --ray-address")
         logging.getLogger(__name__).warning(
             "ray_address is ignored: nothing uses Ray without data_parallel_size > 1 or "
-            "distributed_executor_backend='ray'")
-    source = args.engine if args.data_parallel_size > 1 else Engine(args.engine)
+            "tensor_parallel_size > 1")
+    source = config if args.data_parallel_size > 1 else Engine(config)
     app = build_app(source, args.served_model_name, args.api_key, args.max_body_bytes,
                     data_parallel_size=args.data_parallel_size)
     if args.chat_template is not None:       # every chat request renders with it

@@ -7,8 +7,11 @@ The server process's own series (`process_resident_memory_bytes`, CPU seconds, o
 from prometheus_client's ProcessCollector (Linux).
 A data-parallel server adds per-replica series read from its router at scrape time:
 `cover_vllm_replica_requests_total{replica="i"}` (requests replica i finished),
-`cover_vllm_replica_alive{replica="i"}` (0 while dead or restarting: the server is degraded) and
-`cover_vllm_replica_restarts_total{replica="i"}`.
+`cover_vllm_replica_alive{replica="i"}` (0 while dead or restarting: the server is degraded),
+`cover_vllm_replica_restarts_total{replica="i"}`,
+`cover_vllm_replica_last_seen_seconds{replica="i"}` (since replica i last answered a poll or
+liveness probe: it grows on a frozen replica) and
+`cover_vllm_replica_node_info{replica="i",node_id,node_ip}` = 1 (its Ray node, last placed).
 """
 
 from __future__ import annotations
@@ -60,13 +63,22 @@ class _ReplicaCollector:
                                   "serves, 0 while it is dead or restarting", labels=["replica"])
         restarts = CounterMetricFamily(PREFIX + "replica_restarts", "Restarts that brought a "
                                        "dead data-parallel replica back", labels=["replica"])
+        seen = GaugeMetricFamily(PREFIX + "replica_last_seen_seconds", "Seconds since the "
+                                 "data-parallel replica last answered a poll or liveness probe",
+                                 labels=["replica"])
+        node = GaugeMetricFamily(PREFIX + "replica_node_info", "The Ray node the data-parallel "
+                                 "replica was last placed on", labels=["replica", "node_id",
+                                                                       "node_ip"])
         for c in self.counts():
-            served.add_metric([str(c["index"])], c["served"])
-            alive.add_metric([str(c["index"])], 1 if c["alive"] else 0)
-            restarts.add_metric([str(c["index"])], c.get("restarts", 0))
-        yield served
-        yield alive
-        yield restarts
+            index = str(c["index"])
+            served.add_metric([index], c["served"])
+            alive.add_metric([index], 1 if c["alive"] else 0)
+            restarts.add_metric([index], c.get("restarts", 0))
+            if "last_seen_s" in c:
+                seen.add_metric([index], c["last_seen_s"])
+            if c.get("node_id"):
+                node.add_metric([index, c["node_id"], c.get("node_ip") or ""], 1)
+        yield from (served, alive, restarts, seen, node)
 
 
 class ServerMetrics:
