@@ -109,6 +109,12 @@ class EngineConfig:
         "True runs it eagerly. Padding changes no real row's attention; nothing is "
         "torch.compile'd",
         kind="bool")
+    fast_norm: bool = option(
+        False, "RMSNorm as one op (`F.rms_norm` with its weight: the weight multiplies in fp32 "
+        "before the one rounding) instead of the official order (normalise in fp32, round to "
+        "the model's dtype, then multiply by the weight). Changes bf16/fp16 logits by up to "
+        "one unit in the last place, so tokens may differ from the official code's; fp32 is "
+        "unchanged (issue #48)", kind="bool")
     tokenizer: str | None = option(
         None, "tokenizer from another local directory or Hugging Face repo id (default: the "
         "model's own files)")
@@ -146,7 +152,7 @@ class EngineConfig:
                                                or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive int (or None: the model's), "
                              f"got {self.max_model_len!r}")
-        for name in ("trust_remote_code", "enforce_eager"):
+        for name in ("trust_remote_code", "enforce_eager", "fast_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("tokenizer", "revision", "tokenizer_revision", "download_dir"):

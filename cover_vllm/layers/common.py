@@ -18,23 +18,40 @@ from cover_vllm.layers.rotary import Rotation, rotate_qk
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, the normalisation in fp32."""
+    """y = x / rms(x) * weight, the normalisation in fp32.
 
-    def __init__(self, size: int, eps: float):
+    Rounding in bf16/fp16 (issue #48): by default the official order of LLaDA, Dream, LLaDA-MoE
+    and LLaDA2 (normalise in fp32, round to x's dtype, then multiply by the weight in x's
+    dtype: two roundings). `weight_in_fp32=True` is flash-attn's `rms_norm_fn` order (SDAR's
+    official norm: the weight multiplies in fp32 before the one rounding); `fast` (the engine
+    option `fast_norm`, set by `use_fast_norm`) takes that one-op order for every norm. fp32:
+    every order gives the same bits."""
+
+    def __init__(self, size: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
+        self.fast = False
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One op (`F.rms_norm` with the weight; issue #42). In fp32 it is the official
-        `weight * (x.float() * rsqrt(...)).to(dtype)` bit for bit (tests/test_layers.py); in
-        bf16/fp16 the weight multiplies before the one rounding to x.dtype instead of after it,
-        so an output may differ from the official one by one unit in the last place, within the
-        bf16 tolerances of tests/test_bf16.py."""
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        """`F.rms_norm` without its weight computes in fp32 and rounds once to x's dtype, bit
+        for bit `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)`
+        (tests/test_bf16_official_order.py); the weight then multiplies in x's dtype. On the
+        meta device both forms count the same ops (tests/test_op_count.py)."""
+        if self.fast or self.weight_in_fp32 or x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight_free(x) * self.weight
 
     def weight_free(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps)     # the caller applies the weight
+
+
+def use_fast_norm(model: nn.Module, fast: bool = True) -> None:
+    """Every RMSNorm of `model` in the one-op order (`F.rms_norm` with its weight: one rounding
+    in bf16/fp16) or back in the official order (EngineConfig.fast_norm)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fast = fast
 
 
 PACK_MAX_BYTES = 256 << 20     # largest group packed: its copy is transient extra memory

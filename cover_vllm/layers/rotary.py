@@ -1,6 +1,8 @@
 """Rotary position embedding (RoPE) shared by the families: the angles of a forward's positions
 (`RotaryEmbedding.at`, tabulated once off the CPU) and their application in place (`Rotation`),
-in fp32 as the official code computes them (../shared/golden/README.md "Quirks")."""
+in the official code's precision (../shared/golden/README.md "Quirks"): angles always in fp32;
+the rotation in fp32 (LLaDA's `rope_full_precision`) or in the model's dtype with cos and sin
+rounded to it (Dream, LLaDA-MoE, SDAR, LLaDA2; issue #48)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ def reserve_rope_tables(model: nn.Module, num_positions: int) -> None:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with fp32 inverse frequencies theta^(-2k/r), applied in fp32.
+    """Rotate-half RoPE with fp32 inverse frequencies theta^(-2k/r), applied in fp32
+    (`full_precision`) or in the rotated tensor's dtype (cos and sin rounded to it, every
+    product and the sum rounded: the official Qwen2/Llama `apply_rotary_pos_emb`).
 
     Only the first `rotary_dim` (r, default head_dim) channels of each head rotate; the rest pass
     through unchanged (HF `partial_rotary_factor`). `at(positions)` computes the angles once per
@@ -28,10 +32,11 @@ class RotaryEmbedding(nn.Module):
     takes ten ops; the same bits, from the same elementwise ops).
     """
 
-    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None):
+    def __init__(self, head_dim: int, theta: float, rotary_dim: int | None = None,
+                 full_precision: bool = True):
         super().__init__()
         r = rotary_dim or head_dim
-        self.rotary_dim, self.theta = r, theta
+        self.rotary_dim, self.theta, self.full_precision = r, theta, full_precision
         self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None     # (cos, signed sin)
 
@@ -61,8 +66,8 @@ class RotaryEmbedding(nn.Module):
         if self.table is not None:
             cos, sin = self.table
             return Rotation(cos.index_select(0, positions), sin.index_select(0, positions),
-                            self.rotary_dim)
-        return Rotation(*self._angles(positions), self.rotary_dim)
+                            self.rotary_dim, self.full_precision)
+        return Rotation(*self._angles(positions), self.rotary_dim, self.full_precision)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [T, 1, r] of `positions` [T], fp32."""
@@ -75,10 +80,21 @@ class RotaryEmbedding(nn.Module):
 
 
 class Rotation:
-    """RoPE angles of one forward's tokens: cos and the signed sin [T, 1, r], fp32."""
+    """RoPE angles of one forward's tokens: cos and the signed sin [T, 1, r], fp32 (and, for a
+    rotation in the model's dtype, their copies in that dtype, made once per forward)."""
 
-    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int):
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int,
+                 full_precision: bool = True):
         self.cos, self.signed_sin, self.rotary_dim = cos, signed_sin, rotary_dim
+        self.full_precision = full_precision
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def angles_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) rounded to `dtype` (the official `cos.to(x.dtype)`; rounding the
+        signed sin equals negating the rounded sin: round to nearest is symmetric)."""
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        return self._cast[dtype]
 
     def rotate_(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] in place (x may be a view, such as the q|k heads of
@@ -92,7 +108,10 @@ class Rotation:
         slower (measured at 512 tokens), so x is widened first: five ops (four in fp32)."""
         r = self.rotary_dim
         x_rot = x if r == x.shape[-1] else x[..., :r]
-        if x.device.type == "cpu":
+        if not self.full_precision and x.dtype != torch.float32:
+            cos, sin = self.angles_in(x.dtype)       # x*cos, rotate_half(x)*sin and their sum
+            torch.add(x_rot * cos, x_rot.roll(r // 2, -1).mul_(sin), out=x_rot)   # each rounded
+        elif x.device.type == "cpu":
             x32 = x_rot.float()         # x_rot itself when it is fp32
             rolled = x32.roll(r // 2, -1).mul_(self.signed_sin)
             torch.add(x32.mul_(self.cos), rolled, out=x_rot)

@@ -57,7 +57,8 @@ class DreamModel(StackedLM):
                                SwiGLU(d.hidden_size, cfg["intermediate_size"]), eps)
                   for _ in range(d.num_layers)]
         super().__init__(spec, d, DecoderStack(d, layers, eps),
-                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0)),
+                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0),
+                                         full_precision=False),
                          bool(cfg.get("tie_word_embeddings", False)))
 
     def forward(self, input_ids: torch.Tensor,

@@ -89,7 +89,8 @@ class LLaDAModelLM(nn.Module):
             t.ff_out = nn.Linear(d.hidden_size, d.vocab_size, bias=False)
             self.head = FusedLinears(t.ff_out)
         self.model.transformer = t
-        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0))
+        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0),    # official:
+                                    full_precision=bool(cfg.get("rope_full_precision", True)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.wte(input_ids)

@@ -219,7 +219,8 @@ class LLaDA2MoeModelLM(nn.Module):
         # partial RoPE: rotary dim = int(head_dim * partial_rotary_factor), as HF's default
         # rope init computes it (the configs' `rotary_dim` key is not read by the official code)
         rotary = int(d.head_dim * cfg.get("partial_rotary_factor", 1.0))
-        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0), rotary)
+        self.rope = RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 10000.0), rotary,
+                                    full_precision=False)
 
     def fused_groups(self) -> list[FusedLinears]:
         return [] if self.tied else [self.head]

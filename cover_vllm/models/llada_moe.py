@@ -135,7 +135,8 @@ class LLaDAMoEModelLM(StackedLM):
         layers = [_decoder_layer(cfg, d, is_moe) for is_moe in moe_layer_flags(cfg)]
         rotary_dim = int(d.head_dim * cfg.get("partial_rotary_factor", 1.0))
         super().__init__(spec, d, DecoderStack(d, layers, cfg.get("rms_norm_eps", 1e-5)),
-                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 50000.0), rotary_dim),
+                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 50000.0), rotary_dim,
+                                         full_precision=False),
                          bool(cfg.get("tie_word_embeddings", False)))
 
     def forward(self, input_ids: torch.Tensor,

@@ -3,7 +3,8 @@
 Qwen3 layout (the models are continued-pretrained Qwen3 bases): pre-norm blocks; q/k/v/o
 projections (biases only with `attention_bias`); per-head RMSNorm on q and k (weight of size
 head_dim) after projection and before RoPE; rotate-half RoPE over the whole head_dim (theta
-from config, fp32); grouped-query heads; SwiGLU; `lm_head` untied unless `tie_word_embeddings`.
+from config, angles in fp32); grouped-query heads; SwiGLU; `lm_head` untied unless
+`tie_word_embeddings`.
 `head_dim` comes from config.json and need not be hidden / heads (SDAR-4B: 2560 / 32 = 80 !=
 128; the golden model: 64 / 4 = 16 != 24). Attention scale 1/sqrt(head_dim).
 
@@ -16,8 +17,9 @@ The model is block-causal (`block_size` in config.json; its own inference script
 of it): the engine's paged attention applies that from `ModelSpec.attention`.
 
 Numerics: every RMSNorm of the official file is flash-attn's `rms_norm_fn`, which multiplies
-by the weight in fp32 before casting back; `RMSNorm` here casts, then multiplies. Identical in
-fp32 (the golden logits); one bf16 rounding apart in bf16.
+by the weight in fp32 before casting back: its `RMSNorm`s here take that order
+(`weight_in_fp32`). The per-head q/k norm still casts, then multiplies (one bf16 rounding apart
+from the official code in bf16); RoPE runs in the model's dtype, as Qwen3's does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any
 
 import torch
 
-from cover_vllm.layers.common import DecoderLayer, DecoderStack, SelfAttention, StackedLM, SwiGLU
+from cover_vllm.layers.common import (DecoderLayer, DecoderStack, RMSNorm, SelfAttention,
+                                      StackedLM, SwiGLU)
 from cover_vllm.layers.rotary import RotaryEmbedding
 from cover_vllm.models.base import hf_dims
 from cover_vllm.models.query_masks import block_causal_allowed, masked_dense_forward
@@ -59,9 +62,13 @@ class SDARForCausalLM(StackedLM):
                                SwiGLU(d.hidden_size, cfg["intermediate_size"]), eps)
                   for _ in range(d.num_layers)]
         super().__init__(spec, d, DecoderStack(d, layers, eps),
-                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 1000000.0)),
+                         RotaryEmbedding(d.head_dim, cfg.get("rope_theta", 1000000.0),
+                                         full_precision=False),
                          bool(cfg.get("tie_word_embeddings", False)))
         self.block_size = spec.attention.block_size
+        for module in self.modules():      # flash-attn's rms_norm_fn order (see Numerics)
+            if isinstance(module, RMSNorm):
+                module.weight_in_fp32 = True
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.tensor_parallel import param_slices
-from cover_vllm.layers.common import pack_projections
+from cover_vllm.layers.common import pack_projections, use_fast_norm
 from cover_vllm.layers.rotary import reserve_rope_tables
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
@@ -66,6 +66,7 @@ class Worker:
         pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
         if torch.device(device).type == "cpu":                  # the kernel's layout
             keep_activations_on_heap()          # after the weights: see there
+        use_fast_norm(model, config.fast_norm)          # default: the official norm order
         self.model = model.eval().requires_grad_(False)
         reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
         budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))

@@ -1,0 +1,159 @@
+"""A LLaDA forward in the official code's op order, and Fast-dLLM-order decoding loops on it
+(issue #48): the slow reference the engine's bf16 logits and tokens are compared with bitwise.
+
+Written from ../shared/golden/README.md ("LLaDA model") and the official modeling file's order,
+one op per official op, in the model's dtype:
+* RMSNorm: x.float() * rsqrt(mean(x.float()^2) + eps), rounded to the dtype, times the weight;
+* q, k, v: three separate GEMMs on the normed input; [B, H, T, d] heads;
+* RoPE: angles = outer(positions, inv_freq) in fp32, cat(angles, angles), sin and cos; with
+  `rope_full_precision` q and k rotate in fp32 (t*cos + rotate_half(t)*sin) and round once,
+  otherwise cos and sin round to the dtype and every op rounds;
+* attention: `F.scaled_dot_product_attention` over the keys in position order (kv heads repeated);
+* MLP: silu(ff_proj(h)) * up_proj(h), ff_out; residuals; ln_f; ff_out (the head).
+
+The loops follow Fast-dLLM's `generate` (no cache), `generate_with_prefix_cache` and
+`generate_with_dual_cache` at temperature 0 with a threshold: per block, one forward of the whole
+canvas, then forwards of the block (dual: keys of the whole canvas from the block's first forward,
+the block's own fresh) or of the block and everything after it (prefix: keys before the block from
+the first forward); candidates argmax, confidence the float64 softmax probability; the most
+confident masked position always, and every other one whose confidence reaches the threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The official tensors of an (unpacked) cover_vllm LLaDA module, by official name."""
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+class OfficialLLaDA:
+    """LLaDA in the official op order. `forward(ids, positions, keys)` returns the logits of
+    `ids` [1, T] at `positions` [T] and each layer's (k, v) [1, Hkv, T, d]; `keys` gives, per layer,
+    the (k, v) of every key position in position order with the rows of `positions` left to
+    `forward` to fill (None: the keys are the tokens themselves)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: dict):
+        self.w = _weights(model)
+        self.n_layers, self.heads = cfg["n_layers"], cfg["n_heads"]
+        self.kv_heads = cfg.get("n_kv_heads") or self.heads
+        self.head_dim = cfg["d_model"] // self.heads
+        self.eps = cfg.get("rms_norm_eps", 1e-5)
+        self.theta = cfg.get("rope_theta", 10000.0)
+        self.full_precision = bool(cfg.get("rope_full_precision", True))
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        og = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.w[name] * x.to(og)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.einsum("i , j -> i j", positions.float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.sin()[None, None], emb.cos()[None, None]              # [1, 1, T, d]
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        b, nh, t, hs = x.size()
+        x1, x2 = x.view(b, nh, t, 2, hs // 2).unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        q_, k_ = (q.float(), k.float()) if self.full_precision else (q, k)
+        sin, cos = self._angles(positions)
+        sin, cos = sin.type_as(q_), cos.type_as(q_)
+        q_ = ((q_ * cos) + (self._rotate_half(q_) * sin)).to(q_.dtype)
+        k_ = ((k_ * cos) + (self._rotate_half(k_) * sin)).to(k_.dtype)
+        return q_.type_as(q), k_.type_as(k)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                keys: list | None = None, key_rows: torch.Tensor | None = None):
+        """`key_rows` [T]: where this forward's k/v go among `keys`' rows (all keys when None)."""
+        w, b, t = self.w, 1, ids.shape[1]
+        x = F.embedding(ids, w["model.transformer.wte.weight"])
+        fresh = []
+        for i in range(self.n_layers):
+            p = f"model.transformer.blocks.{i}."
+            h = self.norm(x, p + "attn_norm.weight")
+            q, k, v = (F.linear(h, w[p + n + ".weight"]) for n in ("q_proj", "k_proj", "v_proj"))
+            q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, positions)
+            fresh.append((k, v))
+            if keys is not None:
+                k_all, v_all = (c.clone() for c in keys[i])
+                k_all[:, :, key_rows], v_all[:, :, key_rows] = k, v
+                k, v = k_all, v_all
+            if self.kv_heads != self.heads:
+                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+                v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+                                                 is_causal=False)
+            att = att.transpose(1, 2).contiguous().view(b, t, -1)
+            x = x + F.linear(att, w[p + "attn_out.weight"])
+            h = self.norm(x, p + "ff_norm.weight")
+            h = F.silu(F.linear(h, w[p + "ff_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"])
+            x = x + F.linear(h, w[p + "ff_out.weight"])
+        x = self.norm(x, "model.transformer.ln_f.weight")
+        return F.linear(x, w["model.transformer.ff_out.weight"]), fresh
+
+
+@dataclass
+class Trace:
+    """What a loop did: the output ids and, per forward, its positions [T] and logits [T, V]."""
+    ids: torch.Tensor
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _transfer(logits: torch.Tensor, block_ids: torch.Tensor, mask_id: int,
+              threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast-dLLM's threshold rule on one block: (positions to reveal [n], their tokens [n])."""
+    x0 = logits.argmax(-1)
+    p = F.softmax(logits.to(torch.float64), dim=-1)
+    conf = torch.gather(p, -1, x0[:, None])[:, 0]
+    masked = block_ids == mask_id
+    conf = torch.where(masked, conf, torch.tensor(-float("inf"), dtype=conf.dtype))
+    order = torch.argsort(conf, descending=True, stable=True)[: int(masked.sum())]
+    keep = [int(order[0])] + [int(j) for j in order[1:] if conf[j] >= threshold]
+    sel = torch.tensor(keep, dtype=torch.long)
+    return sel, x0[sel]
+
+
+def generate(ref: OfficialLLaDA, prompt: list[int], gen_length: int, block_length: int,
+             mask_id: int, threshold: float = 0.9, kv_cache: str = "none") -> Trace:
+    """Fast-dLLM-order threshold decoding of one prompt (module docstring), batch 1."""
+    n = len(prompt) + gen_length
+    x = torch.tensor([prompt + [mask_id] * gen_length])
+    trace, all_pos = Trace(x), torch.arange(n)
+    for start in range(len(prompt), n, block_length):
+        end = start + block_length
+        first = True
+        while bool((x[0, start:end] == mask_id).any()):
+            if first or kv_cache == "none":
+                logits, cache = ref.forward(x, all_pos)
+                trace.steps.append((all_pos, logits[0]))
+                block_logits = logits[0, start:end]
+            elif kv_cache == "dual":
+                pos = torch.arange(start, end)
+                logits, _ = ref.forward(x[:, start:end], pos, cache, pos)
+                trace.steps.append((pos, logits[0]))
+                block_logits = logits[0]
+            else:                                                  # prefix
+                pos = torch.arange(start, n)
+                logits, _ = ref.forward(x[:, start:], pos, cache, pos)
+                trace.steps.append((pos, logits[0]))
+                block_logits = logits[0, : end - start]
+            first = False
+            sel, tok = _transfer(block_logits, x[0, start:end], mask_id, threshold)
+            x[0, start + sel] = tok
+    return trace
