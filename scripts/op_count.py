@@ -25,12 +25,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache", default="dual")
     p.add_argument("--top", type=int, default=0, help="also print the N commonest device ops")
+    p.add_argument("--fast-norm", action="store_true", help="the one-op RMSNorm (#48)")
     args = p.parse_args()
     logging.disable(logging.WARNING)
     batches = [int(b) for b in args.batch_size.split(",")]
     llm = LLM(args.model, load_format="dummy", device="meta", num_threads=1,
-              kv_cache_memory_bytes=4 << 30, max_num_seqs=max(batches))
-    print(f"{args.model}, kv_cache={args.kv_cache}, {args.max_tokens} tokens, blocks of 32")
+              kv_cache_memory_bytes=4 << 30, max_num_seqs=max(batches), fast_norm=args.fast_norm)
+    print(f"{args.model}, kv_cache={args.kv_cache}, {args.max_tokens} tokens, blocks of 32, "
+          f"fast_norm={args.fast_norm}")
     print("| decoding | batch | device ops/layer (median, max) | views/layer | host ops "
           "(median, max) |")
     print("|---|---|---|---|---|")

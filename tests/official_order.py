@@ -1,5 +1,5 @@
-"""A LLaDA forward in the official code's op order, and Fast-dLLM-order decoding loops on it
-(issue #48): the slow reference the engine's bf16 logits and tokens are compared with bitwise.
+"""LLaDA and Dream forwards in the official code's op order, and Fast-dLLM-order decoding loops
+on LLaDA (issue #48): the slow reference the engine's bf16 logits and tokens are compared with bitwise.
 
 Written from ../shared/golden/README.md ("LLaDA model") and the official modeling file's order,
 one op per official op, in the model's dtype:
@@ -106,6 +106,59 @@ class OfficialLLaDA:
             x = x + F.linear(h, w[p + "ff_out.weight"])
         x = self.norm(x, "model.transformer.ln_f.weight")
         return F.linear(x, w["model.transformer.ff_out.weight"]), fresh
+
+
+class OfficialDream:
+    """Dream (Qwen2) in the official op order: the LLaDA norm; q/k/v with biases; cos and sin
+    from `inv_freq @ positions` in fp32 rounded to the dtype, RoPE in the dtype; kv heads repeated
+    (`repeat_kv`); SDPA without a mask; SwiGLU; `logits(ids [1, T], positions [T])` [1, T, V]."""
+
+    def __init__(self, model: torch.nn.Module, cfg: dict):
+        self.w = _weights(model)
+        self.n_layers, self.heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        self.kv_heads = cfg.get("num_key_value_heads") or self.heads
+        self.head_dim = cfg["hidden_size"] // self.heads
+        self.eps, self.theta = cfg.get("rms_norm_eps", 1e-6), cfg.get("rope_theta", 10000.0)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        og = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w[name] * x.to(og)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = (inv_freq[None, :, None] @ positions[None, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * 1.0).to(dtype)[:, None], (emb.sin() * 1.0).to(dtype)[:, None]
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        w, b, t, d = self.w, 1, ids.shape[1], self.head_dim
+        x = F.embedding(ids, w["model.embed_tokens.weight"])
+        cos, sin = self._cos_sin(positions, x.dtype)
+        rep = self.heads // self.kv_heads
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            h = self.norm(x, p + "input_layernorm.weight")
+            a = p + "self_attn."
+            q, k, v = (F.linear(h, w[a + n + ".weight"], w[a + n + ".bias"])
+                       for n in ("q_proj", "k_proj", "v_proj"))
+            q = q.view(b, t, self.heads, d).transpose(1, 2)
+            k = k.view(b, t, self.kv_heads, d).transpose(1, 2)
+            v = v.view(b, t, self.kv_heads, d).transpose(1, 2)
+            q = (q * cos) + (OfficialLLaDA._rotate_half(q) * sin)
+            k = (k * cos) + (OfficialLLaDA._rotate_half(k) * sin)
+            k = k[:, :, None].expand(b, self.kv_heads, rep, t, d).reshape(b, self.heads, t, d)
+            v = v[:, :, None].expand(b, self.kv_heads, rep, t, d).reshape(b, self.heads, t, d)
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+                                                 is_causal=False)
+            x = x + F.linear(att.transpose(1, 2).reshape(b, t, -1), w[a + "o_proj.weight"])
+            h = self.norm(x, p + "post_attention_layernorm.weight")
+            m = p + "mlp."
+            h = F.silu(F.linear(h, w[m + "gate_proj.weight"])) * F.linear(h, w[m + "up_proj.weight"])
+            x = x + F.linear(h, w[m + "down_proj.weight"])
+        return F.linear(self.norm(x, "model.norm.weight"), w["lm_head.weight"])
 
 
 @dataclass

@@ -16,7 +16,7 @@ from cover_vllm.layers.common import RMSNorm
 from cover_vllm.layers.rotary import RotaryEmbedding
 from cover_vllm.models.loader import load_model
 from golden_cases import GOLDEN
-from official_order import OfficialLLaDA, generate
+from official_order import OfficialDream, OfficialLLaDA, generate
 
 LLADA = GOLDEN / "llada" / "model"
 PROMPT = [5, 17, 33, 101, 7, 250, 12, 9, 44, 61]
@@ -99,3 +99,29 @@ def test_fast_norm_rounds_differently(reference):
     want, _ = ref.forward(torch.tensor([PROMPT + [mask_id] * GEN]), pos)
     assert not torch.equal(logits, want[0])
     assert (logits.float() - want[0].float()).abs().max().item() <= 1.0     # one-ulp rounding
+
+
+def test_dream_bf16_logits_equal_the_official_order():
+    """Every forward of a no-cache Dream generation (Fast-dLLM's Dream threshold rule), batch 1:
+    the engine's bf16 logits against the official Qwen2 order on the same ids and positions."""
+    model_dir = GOLDEN / "dream" / "model"
+    cfg = json.loads((model_dir / "config.json").read_text())
+    ref = OfficialDream(load_model(str(model_dir), "bfloat16"), cfg)
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache="none", num_threads=1)
+    model = llm.engine.executor.runner.model
+    embed, forward_tokens, steps = model.embed, model.forward_tokens, []
+
+    def recording(embeds, positions, attn):
+        hidden = forward_tokens(embeds, positions, attn)
+        steps.append((ids[-1], positions.clone(), model.compute_logits(hidden)))
+        return hidden
+
+    ids = []
+    model.embed = lambda input_ids: (ids.append(input_ids.clone()), embed(input_ids))[1]
+    model.forward_tokens = recording
+    params = SamplingParams(max_tokens=GEN, block_length=BLOCK, ignore_eos=True,
+                            decoding="threshold")
+    llm.generate([PROMPT], params, use_tqdm=False)
+    assert len(steps) > 2
+    for step_ids, pos, logits in steps:
+        assert torch.equal(logits, ref.logits(step_ids[None], pos)[0])
