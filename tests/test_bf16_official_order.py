@@ -125,3 +125,39 @@ def test_dream_bf16_logits_equal_the_official_order():
     assert len(steps) > 2
     for step_ids, pos, logits in steps:
         assert torch.equal(logits, ref.logits(step_ids[None], pos)[0])
+
+
+def test_sdar_norms_multiply_the_weight_in_fp32():
+    """SDAR's official RMSNorm is flash-attn's `rms_norm_fn`: x * rstd * weight in fp32, rounded
+    once; the per-head q/k norm of the fused q|k|v output takes the same order."""
+    from cover_vllm.layers.base import ModelDims
+    from cover_vllm.layers.common import SelfAttention
+
+    torch.manual_seed(0)
+    dims = ModelDims(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                     vocab_size=10)
+    attn = SelfAttention(dims, qk_norm_eps=1e-6).to(torch.bfloat16)
+    for norm in (attn.q_norm, attn.k_norm):
+        norm.weight_in_fp32 = True
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(16))
+    x = torch.randn(9, 64).bfloat16()
+    seen = {}
+
+    def attention(layer, q, kv):
+        seen["q"], seen["k"] = q.clone(), kv[:, :2].clone()
+        return q.reshape(q.shape[0], -1)
+
+    class NoTurn:
+        rotary_dim = 16
+
+        def rotate_(self, t):
+            return t
+
+    with torch.no_grad():
+        attn(x, 0, NoTurn(), attention)
+        q = F.linear(x, attn.q_proj.weight).view(9, 4, 16).float()
+        k = F.linear(x, attn.k_proj.weight).view(9, 2, 16).float()
+    for got, t, w in ((seen["q"], q, attn.q_norm.weight), (seen["k"], k, attn.k_norm.weight)):
+        want = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
+        assert torch.equal(got, want)

@@ -257,7 +257,11 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(h).view(t, heads + 2 * kv_heads, dims.head_dim)
         if self.q_norm is not None:       # per-head RMSNorm after projection, before RoPE,
             qk = qkv.split([heads + kv_heads, kv_heads], dim=1)[0]    # written back in place
-            torch.mul(self.q_norm.weight_free(qk), self._qk_norm_weight(heads, kv_heads), out=qk)
+            if self.q_norm.weight_in_fp32 and qk.dtype != torch.float32:
+                qk_hat = self.q_norm.weight_free(qk.float())     # SDAR: the weight in fp32,
+            else:                                                # one rounding into qk
+                qk_hat = self.q_norm.weight_free(qk)             # rounded, then the weight
+            torch.mul(qk_hat, self._qk_norm_weight(heads, kv_heads), out=qk)
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q, kv = rotate_qk(qkv, heads, kv_heads, rot)          # K and V side by side: one write

@@ -18,8 +18,8 @@ of it): the engine's paged attention applies that from `ModelSpec.attention`.
 
 Numerics: every RMSNorm of the official file is flash-attn's `rms_norm_fn`, which multiplies
 by the weight in fp32 before casting back: its `RMSNorm`s here take that order
-(`weight_in_fp32`). The per-head q/k norm still casts, then multiplies (one bf16 rounding apart
-from the official code in bf16); RoPE runs in the model's dtype, as Qwen3's does.
+(`weight_in_fp32`), the per-head q/k norm included; RoPE runs in the model's dtype, as Qwen3's
+does.
 """
 
 from __future__ import annotations
