@@ -196,14 +196,15 @@ class Saber(Strategy):
         """The batch with Dream's EOS penalty on the pad logit of masked slots (a no-op at 0)."""
         if not self.params.eos_penalty:
             return batch
-        eps = self.params.eps
-        shift = []
-        for st in batch.states:
-            grid = torch.linspace(1, eps, st.block_steps + 1)        # float32, as the reference
-            t = grid[min(st.memory.get("steps", 0), st.block_steps)]
-            shift.append(self.params.eos_penalty * torch.log(1 - t + eps))
+        eps, shifts, shift = self.params.eps, {}, []
+        for st in batch.states:              # one shift per distinct (grid, step) of the batch
+            key = (st.block_steps, min(st.memory.get("steps", 0), st.block_steps))
+            if key not in shifts:
+                t = torch.linspace(1, eps, key[0] + 1)[key[1]]     # float32, as the reference
+                shifts[key] = (self.params.eos_penalty * torch.log(1 - t + eps)).item()
+            shift.append(shifts[key])
             st.memory["steps"] = st.memory.get("steps", 0) + 1
         logits = batch.logits.clone()
         pad = self.spec.pad_token_id
-        logits[..., pad] += on_device(torch.stack(shift), logits)[:, None] * unfilled
+        logits[..., pad] += on_device(shift, logits, torch.float32)[:, None] * unfilled
         return dataclasses.replace(batch, logits=logits)
