@@ -91,10 +91,12 @@ def thresholds(record: torch.Tensor) -> torch.Tensor:
     flat = record[recorded]                          # row-major: each row in position order
     starts = np.cumsum(counts) - counts
     tau = torch.ones(record.shape[0], dtype=torch.float32)
+    rows, means = [], []
     for k in np.unique(counts[counts > 0]).tolist():
-        rows = np.flatnonzero(counts == k)
-        at = torch.from_numpy(starts[rows][:, None] + np.arange(k))
-        tau[torch.from_numpy(rows)] = flat[at].mean(-1)
+        rows.append(np.flatnonzero(counts == k))
+        means.append(flat[torch.from_numpy(starts[rows[-1]][:, None] + np.arange(k))].mean(-1))
+    if rows:
+        tau[torch.from_numpy(np.concatenate(rows))] = torch.cat(means)
     return tau
 
 
