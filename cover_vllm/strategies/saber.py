@@ -19,7 +19,8 @@ eos_penalty · log(1 − t + eps) to the pad logit of masked slots, t from linsp
 Both references have no blocks by default (one block of max_tokens) and count one forward per
 step, so NFE is the model-call count (Saber-Dream *reports* one less: its last call is uncounted).
 With a shorter block_length the Dream rules run per block over the same prefix view (the Dream
-reference has no blocks). Per-slot confidences live in BlockState.memory, kept across blocks.
+reference has no blocks). Per-slot confidences are kept across blocks as rows of the instance's
+`SaberRows` table (strategies/saber_rows.py): one gather and one scatter a step for the batch.
 
 Canvas accounting: a slot revealed and revoked by the same step never reaches the canvas, so it is
 neither committed nor counted in RequestMetrics.remasks (which counts visible tokens turned back
@@ -49,6 +50,7 @@ from cover_vllm.models.spec import ModelSpec
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.dream import dream_candidates
 from cover_vllm.strategies.llada import propose
+from cover_vllm.strategies.saber_rows import DREAM_FIELDS, LLADA_FIELDS, SaberRows, thresholds
 from cover_vllm.strategies.sampling import on_device, token_prob, topk_mask
 
 NEG_INF = float("-inf")
@@ -75,48 +77,6 @@ def _up_to_block_end(batch: StepBatch) -> torch.Tensor:
     return reach & batch.valid & batch.is_gen
 
 
-def _recall(batch: StepBatch, key: str, fill: float, initial: float | None = None) -> torch.Tensor:
-    """[n, W] float32 per-slot memory kept across blocks (BlockState.memory, view-relative; a
-    host tensor: `absorb` writes it back after each step).
-
-    Slots new to the view read `fill`; a request with no memory yet reads `initial` everywhere.
-    """
-    saved = [st.memory.get(key) for st in batch.states]
-    width = batch.tokens.shape[1]
-    if all(m is not None and m.numel() == width for m in saved):
-        return torch.stack(saved).to(torch.float32)       # every row remembered, same width
-    if all(m is None for m in saved):                     # a batch of first steps
-        return torch.full(batch.tokens.shape, fill if initial is None else initial,
-                          dtype=torch.float32)
-    out = torch.full(batch.tokens.shape, fill, dtype=torch.float32)
-    for i, st in enumerate(batch.states):
-        saved = st.memory.get(key)
-        if saved is None:
-            out[i] = fill if initial is None else initial
-        else:
-            out[i, : saved.numel()] = saved[: out.shape[1]]
-    return out
-
-
-def _remember(batch: StepBatch, key: str, values: torch.Tensor) -> None:
-    """Keep `values` [n, W] (host, this step's own tensor) as each request's memory under
-    `key`: its row, sliced only where the request's view is narrower."""
-    width = values.shape[1]
-    for st, w, row in zip(batch.states, batch.host.lengths, values.unbind(0)):
-        st.memory[key] = row if w == width else row[:w].clone()
-
-
-def _thresholds(record: torch.Tensor) -> torch.Tensor:
-    """[n] float32 τ: mean of each row's recorded (> −inf) confidences, 1.0 when none.
-
-    One compact mean per row, so the float32 sum runs over the same elements in the same order as
-    the reference's `generated_probs.mean()` / `prev_first.mean()`.
-    """
-    taus = [row[row > NEG_INF].mean() if bool((row > NEG_INF).any()) else torch.tensor(1.0)
-            for row in record]
-    return torch.stack(taus).to(torch.float32)
-
-
 def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
             n: int) -> torch.Tensor:
     """[n, W] bool: unfilled slots with conf > τ (a host tensor [n]); where fewer than n
@@ -129,7 +89,8 @@ def _reveal(conf: torch.Tensor, unfilled: torch.Tensor, tau: torch.Tensor,
 
 @dataclass
 class SaberState:
-    """Per-block state of Saber (its per-slot confidences live in BlockState.memory)."""
+    """Per-block state of Saber (its per-slot confidences: a row of `Saber.memory_rows`, the
+    handle in BlockState.memory["rows"])."""
 
     prefix_masked: int = 0  # [MASK]s left up to the block end after the last decision
 
@@ -144,6 +105,8 @@ class Saber(Strategy):
         if params.eos_penalty and not spec.saber_dream:
             raise ValueError("decoding_params.eos_penalty only applies to Saber's Dream decoder; "
                              "generate_with_saber (this model's rules) has no EOS penalty")
+        # every request's per-slot confidences: rows of one table (the persistent batch's slice)
+        self.memory_rows = SaberRows(DREAM_FIELDS if spec.saber_dream else LLADA_FIELDS)
 
     def default_block_length(self, max_tokens: int) -> int:
         return max_tokens          # both references default to one block (block = gen length)
@@ -167,34 +130,38 @@ class Saber(Strategy):
     def decide(self, batch: StepBatch) -> Decision:
         prefix = _up_to_block_end(batch)
         unfilled = batch.masked & prefix
+        host = batch.host
+        rows = self.memory_rows.handles(batch.states, host.lengths)
+        recall = lambda name: self.memory_rows.read(rows, name, host.valid)  # noqa: E731
         if self.spec.saber_dream:
-            tokens, reveal, revoke, memory = self._dream_step(batch, prefix, unfilled)
+            tokens, reveal, revoke, memory = self._dream_step(batch, prefix, unfilled, recall)
         else:
-            tokens, reveal, revoke, memory = self._llada_step(batch, prefix, unfilled)
+            tokens, reveal, revoke, memory = self._llada_step(batch, prefix, unfilled, recall)
         return Decision(commit=reveal & ~revoke, tokens=tokens, remask=revoke & ~reveal,
                         state=memory)
 
     def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Keep the slots' confidences; count the [MASK]s left up to the block end (a slot
         revealed and revoked by one step stays masked: not a commit)."""
-        for key, values in decision.state.items():
-            _remember(batch, key, values)
         host = batch.host
+        rows = self.memory_rows.handles(batch.states, host.lengths)
+        self.memory_rows.write(rows, decision.state, host.valid)
         unfilled = host.masked & _up_to_block_end(host)
         left = (unfilled & ~decision.commit) | decision.remask
         for st, m in zip(batch.states, left.sum(-1).tolist()):
             st.extra.prefix_masked = int(m)
 
     # ---- generate_with_saber (LLaDA) -----------------------------------------------------------
-    def _llada_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor):
+    def _llada_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor,
+                    recall):
         n = self.params.n
         tokens, logits = propose(batch)
         conf = token_prob(logits, tokens, torch.float32).masked_fill(~prefix, NEG_INF)  # [n, W]
-        last = on_device(_recall(batch, "last_conf", NEG_INF, initial=0.0), conf)  # last conf
+        last = on_device(recall("last_conf"), conf)                    # conf in the last step
         delta = conf - last
         delta = torch.where(torch.isfinite(delta), delta, float("inf"))
-        latest = _recall(batch, "reveal_conf", NEG_INF)            # conf at the latest reveal
-        reveal = _reveal(conf, unfilled, _thresholds(latest), n)
+        latest = recall("reveal_conf")                             # conf at the latest reveal
+        reveal = _reveal(conf, unfilled, thresholds(latest), n)
         latest = torch.where(reveal, conf, on_device(latest, conf))
         memory = {"last_conf": conf, "reveal_conf": latest}
         r = reveal.sum(-1).clamp(min=n)
@@ -207,12 +174,13 @@ class Saber(Strategy):
         return tokens, reveal, topk_mask(score, count), memory
 
     # ---- Saber's Dream decoder -----------------------------------------------------------------
-    def _dream_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor):
+    def _dream_step(self, batch: StepBatch, prefix: torch.Tensor, unfilled: torch.Tensor,
+                    recall):
         n = self.params.n
         tokens, probs = dream_candidates(self._penalised(batch, unfilled))
         conf = probs.gather(-1, tokens[..., None]).squeeze(-1).masked_fill(~unfilled, NEG_INF)
-        first = _recall(batch, "first_conf", NEG_INF)              # conf at the first reveal
-        reveal = _reveal(conf, unfilled, _thresholds(first), n)
+        first = recall("first_conf")                               # conf at the first reveal
+        reveal = _reveal(conf, unfilled, thresholds(first), n)
         first = on_device(first, conf)
         first = torch.where(reveal & (first == NEG_INF), conf, first)
         u = reveal.sum(-1)
@@ -228,14 +196,15 @@ class Saber(Strategy):
         """The batch with Dream's EOS penalty on the pad logit of masked slots (a no-op at 0)."""
         if not self.params.eos_penalty:
             return batch
-        eps = self.params.eps
-        shift = []
-        for st in batch.states:
-            grid = torch.linspace(1, eps, st.block_steps + 1)        # float32, as the reference
-            t = grid[min(st.memory.get("steps", 0), st.block_steps)]
-            shift.append(self.params.eos_penalty * torch.log(1 - t + eps))
+        eps, shifts, shift = self.params.eps, {}, []
+        for st in batch.states:              # one shift per distinct (grid, step) of the batch
+            key = (st.block_steps, min(st.memory.get("steps", 0), st.block_steps))
+            if key not in shifts:
+                t = torch.linspace(1, eps, key[0] + 1)[key[1]]     # float32, as the reference
+                shifts[key] = (self.params.eos_penalty * torch.log(1 - t + eps)).item()
+            shift.append(shifts[key])
             st.memory["steps"] = st.memory.get("steps", 0) + 1
         logits = batch.logits.clone()
         pad = self.spec.pad_token_id
-        logits[..., pad] += on_device(torch.stack(shift), logits)[:, None] * unfilled
+        logits[..., pad] += on_device(shift, logits, torch.float32)[:, None] * unfilled
         return dataclasses.replace(batch, logits=logits)
