@@ -20,8 +20,8 @@ from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.cuda_graphs import capture_backend_for
-from cover_vllm.worker.kv_cache import KVCache, KVLayout, scratch_slots
-from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
+from cover_vllm.worker.kv_cache import KVCache, KVLayout
+from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes, wants_scratch
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
 
@@ -69,8 +69,10 @@ class Worker:
         self.model = model.eval().requires_grad_(False)
         reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
         budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
-        num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
-                                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
+        plan = layout.plan(budget, config.page_size, dtype, config.max_num_seqs,
+                           min(spec.max_model_len, DEFAULT_CANVAS_TOKENS),
+                           wants_scratch(config.decoding))          # = the engine's MemoryPlan
+        num_pages, num_rings = plan.num_pages, plan.num_rings
         self.tp, self.num_pages = tp, num_pages
         capture = None
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
@@ -80,7 +82,7 @@ class Worker:
         else:
             capture = capture_backend_for(config, device)       # None: eager (cuda_graphs.py)
             self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device,
-                                 scratch_slots(layout, config.max_num_seqs),
+                                 plan.num_scratch,
                                  pad_slot=capture is not None)
             canvas = None
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
