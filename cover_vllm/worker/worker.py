@@ -21,7 +21,8 @@ from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allo
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.cuda_graphs import capture_backend_for
 from cover_vllm.worker.kv_cache import KVCache, KVLayout
-from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes, wants_scratch
+from cover_vllm.worker.memory import (DEFAULT_CANVAS_TOKENS, default_kv_budget, peak_rss_bytes,
+                                     wants_scratch, weight_bytes)
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
 
@@ -52,7 +53,10 @@ class Worker:
         dtype = resolve_dtype(config.dtype, spec, config.device)
         model = build_model(spec, dtype, "meta")                # no storage yet
         layout = KVLayout.of(model)                             # whole model, all kv heads
-        per_token = layout.bytes_per_token(dtype)
+        budget = config.kv_cache_memory_bytes                   # the engine's plan, else its
+        if budget is None:                                      # default (a Worker on its own)
+            budget = default_kv_budget(config, layout, dtype, spec.max_model_len,
+                                       weight_bytes(model, 1)[0])
         source = weight_source(resolved, model, config.load_format, config.seed)
         slices = None
         if tp is not None:
@@ -68,7 +72,6 @@ class Worker:
             keep_activations_on_heap()          # after the weights: see there
         self.model = model.eval().requires_grad_(False)
         reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
-        budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
         plan = layout.plan(budget, config.page_size, dtype, config.max_num_seqs,
                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS),
                            wants_scratch(config.decoding))          # = the engine's MemoryPlan
