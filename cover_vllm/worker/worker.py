@@ -68,8 +68,7 @@ class Worker:
         materialize(model, device)                              # this rank's shard only
         load_quantized(model, source, slices, pack=True)        # = load_into if unquantized
         pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
-        if torch.device(device).type == "cpu":                  # the kernel's layout
-            keep_activations_on_heap()          # after the weights: see there
+                                        # the kernel's layout
         self.model = model.eval().requires_grad_(False)
         reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
         plan = layout.plan(budget, config.page_size, dtype, config.max_num_seqs,
@@ -88,6 +87,8 @@ class Worker:
                                  plan.num_scratch,
                                  pad_slot=capture is not None)
             canvas = None
+        if torch.device(device).type == "cpu":  # after the weights and the KV cache, which keep
+            keep_activations_on_heap()          # their own mappings (freed: back to the OS)
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
                                   canvas, capture)
 
