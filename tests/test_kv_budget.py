@@ -165,3 +165,26 @@ def test_peak_rss_on_the_8b_shape_at_256_mib():
         assert got["peak"] <= got["weights"] + 256 * MiB + PEAK_SLACK_BYTES, got
         peaks[q] = got["peak"]
     assert peaks["int8"] <= 0.55 * peaks[None] and peaks["int4"] <= 0.35 * peaks[None], peaks
+
+
+FREE_SCRIPT = """
+import gc, json
+from cover_vllm import LLM, SamplingParams
+from cover_vllm.worker.memory import rss_bytes
+llm = LLM("cover-tiny", num_threads=1, kv_cache_memory_bytes=128 << 20)
+llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8), use_tqdm=False)
+held = rss_bytes()
+del llm
+gc.collect()
+print(json.dumps({"held": held, "freed": rss_bytes()}))
+"""
+
+
+def test_a_freed_engine_gives_its_kv_cache_back():
+    """cover-tiny's 128 MiB pool is four 32 MiB layers, under malloc's activation threshold
+    (worker/allocator.py): allocated before it is raised, they are their own mappings, so the
+    process's RSS falls by the pool when the engine goes (it used to stay in the heap)."""
+    out = subprocess.run([sys.executable, "-c", FREE_SCRIPT], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] - got["freed"] >= 120 * MiB, got
