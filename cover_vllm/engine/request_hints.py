@@ -28,7 +28,7 @@ class RequestHints:
 
     def check(self, strategy, kv_cache: str, prompt_len: int) -> None:
         """Log what applies to a request decoded by `strategy` with cache mode `kv_cache`."""
-        if kv_cache == "none" and prompt_len >= LONG_PROMPT_TOKENS:
+        if kv_cache == "none" and prompt_len >= LONG_PROMPT_TOKENS and self.paged:
             self._once("long_prompt", "a %d-token prompt with kv_cache='none' is recomputed in "
                        "every forward; kv_cache='prefix' or 'dual' (per request, or the engine's "
                        "--kv-cache) reuse its K/V and are many times faster on long prompts",
