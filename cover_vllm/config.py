@@ -64,8 +64,9 @@ class EngineConfig:
         choices=tuple(b for b in EXECUTOR_BACKENDS if b is not None))
     max_num_seqs: int = option(64, "requests decoded together", kind="positive_int")
     kv_cache_memory_bytes: int | None = option(
-        None, "explicit KV pool size (default: sized from --memory-utilization)",
-        kind="positive_int")
+        None, "KV budget in bytes: pages and COVER's scratch slots together (default: "
+        "max_num_seqs full canvases, at most 2 GiB and twice the weights or 256 MiB, within "
+        "--memory-utilization)", kind="positive_int")
     memory_utilization: float | None = option(
         None, "share of memory for weights + KV cache: of the host's on CPU (all ranks "
         "together), of each device's on GPU (default 0.9; gpu_memory_utilization is the same "

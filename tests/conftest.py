@@ -43,3 +43,31 @@ def client(server):
     from serve_helpers import openai_client
 
     return openai_client(server)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def _log_test_rss(request):
+    """With COVER_VLLM_TEST_RSS=1: each test's own peak resident memory (VmHWM, reset before
+    it) and the RSS it leaves behind, one line per test appended to COVER_VLLM_TEST_RSS_FILE
+    (default test_rss.log), for finding the tests that set the suite's peak."""
+    import os
+
+    if os.environ.get("COVER_VLLM_TEST_RSS") != "1" or not _reset_peak_rss():
+        yield
+        return
+    from cover_vllm.worker.memory import peak_rss_bytes, rss_bytes
+
+    yield
+    line = f"{peak_rss_bytes() >> 20}\t{rss_bytes() >> 20}\t{request.node.nodeid}\n"
+    with open(os.environ.get("COVER_VLLM_TEST_RSS_FILE", "test_rss.log"), "a") as f:
+        f.write(line)

@@ -18,6 +18,7 @@ from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_de
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
 from cover_vllm.engine.output_processor import OutputProcessor
 from cover_vllm.engine.parallel_sampling import ParentRequest
+from cover_vllm.engine.request_hints import RequestHints
 from cover_vllm.engine.setup import (check_length, load_tokenizer_if_any,
                                      log_trust_remote_code, prefix_caching, prompt_ids,
                                      request_generator)
@@ -84,9 +85,8 @@ class Engine:
         check_quantization(meta, self.quantization, config.tensor_parallel_size)
         quantize_model(meta, self.quantization)                # the plan counts quantized bytes
         self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
-        # the resolved KV budget travels to every rank (the same page count everywhere)
-        self.config = config = config.with_overrides(
-            kv_cache_memory_bytes=self.memory.budget_bytes)
+        self.config = config = config.with_overrides(    # the budget travels to every rank
+            kv_cache_memory_bytes=self.memory.budget_bytes)   # (the same pages everywhere)
         self.tokenizer_dir = resolved.tokenizer_dir
         self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir,
                                                required=config.tokenizer is not None)
@@ -95,6 +95,7 @@ class Engine:
                            "the generated token ids (token_ids) and empty text", resolved.name)
         self.executor = make_executor(config, resolved, self.spec)
         logger.info(self.memory.startup_line())
+        self.hints = RequestHints(self.memory.scratch_slots, paged=not self.memory.ring_len)
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift,
                                    prefix_caching=prefix_caching(config, self.spec),
@@ -153,6 +154,7 @@ class Engine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.spec.vocab_size})")
         check_length(self.spec, self.config, len(ids), params)
+        self.hints.check(strategy, params.kv_cache or self.config.kv_cache, len(ids))
         if params.n == 1:
             self._queue([self._request(request_id, text, ids, params, strategy)])
             return
@@ -210,8 +212,7 @@ class Engine:
         return self._grammar_backend
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request (a parent, or one of its children: all of them); unknown ids are
-        ignored."""
+        """Drop a request (a parent, or one of its children: all of them); unknown ids: no-op."""
         if self.scheduler.scoring.abort(request_id):
             return
         parent = self._parents.get(self._user_id(request_id))

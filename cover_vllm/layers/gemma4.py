@@ -56,6 +56,8 @@ class GemmaRope(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
 
     def _inv_freq(self, device) -> torch.Tensor:
+        if torch.device(device or torch.get_default_device()).type == "meta":   # shapes only
+            return torch.empty(self.head_dim // 2, dtype=torch.float32, device="meta")
         exponent = torch.arange(0, 2 * self.pairs, 2, dtype=torch.float32, device=device)
         turning = 1.0 / (self.theta ** (exponent / self.head_dim))                  # [pairs]
         rest = torch.zeros(self.head_dim // 2 - self.pairs, device=device)

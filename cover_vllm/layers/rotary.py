@@ -42,6 +42,10 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq(self, device) -> torch.Tensor:
         r = self.rotary_dim
+        if torch.device(device or torch.get_default_device()).type == "meta":
+            # a meta build (models/loader.py): shapes only, and no Python reference op (their
+            # first use imports torch._dynamo, 143 MiB resident)
+            return torch.empty((r + 1) // 2, dtype=torch.float32, device="meta")
         exponent = torch.arange(0, r, 2, dtype=torch.float32, device=device) / r
         return 1.0 / (self.theta ** exponent)                              # [r/2], fp32
 

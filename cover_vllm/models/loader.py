@@ -53,12 +53,24 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Turns every `torch.nn.init` call (a module's `reset_parameters`) into a no-op while a
+    model is built on meta, where there are no values to set anyway. `nn.Embedding`'s
+    `normal_` on a meta tensor otherwise goes through torch's Python reference ops, whose
+    first use imports torch._dynamo: 143 MiB of resident memory in every engine process."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> nn.Module:
     """The family's module with uninitialised weights of `dtype` on `device` ("meta": no storage
     at all). No initialiser ever runs, so this costs nothing but the final storage."""
     cls = family_named(spec.family).model_cls()   # imported lazily (models/registry.py)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = cls(spec)
     model.to(dtype=dtype)                      # free on meta; buffers are rebuilt in fp32
     if str(device) != "meta":

@@ -175,6 +175,9 @@ class Strategy(ABC):
     masked_rows_only: ClassVar[bool] = False      # True: `decide` reads logits only at the
                                                   # block's [MASK] positions and the seeds, so a
                                                   # sparse window may leave other rows out
+    verifies_seeds: ClassVar[bool] = False        # True: `select_seeds` / `plan_seeds` pick
+                                                  # seeds (COVER), whose fresh K/V want the
+                                                  # cache's scratch slots (worker/kv_cache.py)
 
     def __init__(self, params: StrategyParams, spec: ModelSpec):
         self.params, self.spec = params, spec

@@ -152,6 +152,7 @@ def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor | int) 
 class Cover(Strategy):
     name = "cover"
     masked_rows_only = True
+    verifies_seeds = True
     params_cls = CoverParams
 
     def __init__(self, params: CoverParams, spec):

@@ -8,11 +8,13 @@ reused memory. Raising the threshold above the largest activation (and the trim 
 it) keeps those blocks on the heap, where they are reused. The heap itself must not shrink and
 regrow around every step either: a top pad of the same size keeps that much slack when it grows
 or is trimmed (measured on llada-50m, bf16, batch 1: 72 tokens/s with the thresholds alone,
-107 with the pad too). Weights and the KV cache are larger than the threshold or allocated
-before it is set, so they are unaffected; the cost is at most the pad in idle heap.
+107 with the pad too). Weights and the KV cache are allocated before it is set (each in its own
+mapping, so a freed engine gives them back to the OS at once: a 512 MiB pool of llada-50m's
+ten 51 MiB layers otherwise stayed in the heap after the engine was gone), so they are
+unaffected; the cost is at most the pad in idle heap.
 
-It is set once per worker process after the weights are loaded; elsewhere than glibc it is a
-no-op. While the weights load, the opposite holds (`map_large_allocations`): every allocation
+It is set once per worker process after the weights are loaded and the KV cache allocated;
+elsewhere than glibc it is a no-op. While the weights load, the opposite holds (`map_large_allocations`): every allocation
 of 1 MiB or more is its own mapping, so what the loader frees goes back to the OS at once.
 """
 

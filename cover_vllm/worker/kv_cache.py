@@ -23,12 +23,17 @@ from cover_vllm.models.gemma4_config import SLIDING
 MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence and call, at least
 SCRATCH_PER_SEQ = 16        # scratch slots per running sequence: COVER's default most seeds a
                             # step (`k_max`); a step with more overrides writes them the slow way
+SCRATCH_SHARE = 8           # the scratch takes at most 1/8 of the KV budget
 
 
-def scratch_slots(layout: "KVLayout", max_num_seqs: int) -> int:
-    """Scratch slots behind the paged pool (`KVCache`): SCRATCH_PER_SEQ per running sequence;
-    none for a model with rings (its pools are its own, and no COVER step runs there)."""
-    return 0 if layout.ring_len else max_num_seqs * SCRATCH_PER_SEQ
+@dataclass(frozen=True)
+class KVPlan:
+    """How one KV budget is spent (`KVLayout.plan`): pages, per-sequence rings and COVER's
+    scratch slots, all inside the budget."""
+
+    num_pages: int
+    num_rings: int = 0
+    num_scratch: int = 0       # slots behind the pages (`KVCache.scratch`); 0: none allocated
 
 
 def kv_bytes_per_token(dims: ModelDims, dtype: torch.dtype) -> int:
@@ -83,6 +88,27 @@ class KVLayout:
         per_seq = ring + -(-seq_tokens // page_size) * page
         rings = min(max_seqs, max(1, budget // per_seq))
         return max(1, (budget - rings * ring) // page), rings
+
+    def scratch_slots(self, budget: int, dtype: torch.dtype, max_seqs: int) -> int:
+        """COVER's scratch slots out of a `budget`-byte pool: SCRATCH_PER_SEQ for each of up to
+        `max_seqs` sequences, in whole sequences' worth, at most 1/SCRATCH_SHARE of the budget
+        (a budget whose share cannot hold one sequence's worth gets none). None for a model
+        with rings (its pools are its own, and no COVER step runs there)."""
+        if self.ring_len:
+            return 0
+        seqs = budget // SCRATCH_SHARE // (SCRATCH_PER_SEQ * self.bytes_per_token(dtype))
+        return min(max_seqs, seqs) * SCRATCH_PER_SEQ
+
+    def plan(self, budget: int, page_size: int, dtype: torch.dtype, max_seqs: int,
+             seq_tokens: int, scratch: bool = True) -> KVPlan:
+        """Spend `budget` bytes: the scratch slots first (`scratch_slots`; none unless
+        `scratch`: the engine's default decoding verifies seeds), then pages and rings from the
+        rest (`split`). Pages + rings + scratch never exceed the budget unless one page alone
+        does (a pool has at least one page)."""
+        num_scratch = self.scratch_slots(budget, dtype, max_seqs) if scratch else 0
+        rest = budget - num_scratch * self.bytes_per_token(dtype)
+        num_pages, num_rings = self.split(rest, page_size, dtype, max_seqs, seq_tokens)
+        return KVPlan(num_pages, num_rings, num_scratch)
 
 
 class LayerKV(tuple):

@@ -7,9 +7,11 @@ sharded parts once, the replicated parts once per rank) plus the whole KV pool m
 1/N of the pool must fit in `memory_utilization` x the device's memory. (`gpu_memory_utilization`,
 vLLM's name, is the same fraction: EngineConfig.memory_fraction.)
 
-The KV pool is the user's `kv_cache_memory_bytes` when given; otherwise the old default (room
-for `max_num_seqs` canvases of the model's max length, capped at 2 GiB), lowered to what the
-budget leaves after the weights. If the weights plus one canvas of `canvas_tokens` cannot fit,
+The KV budget is the user's `kv_cache_memory_bytes` when given; otherwise room for
+`max_num_seqs` canvases of the model's max length, capped at 2 GiB and at the larger of twice
+the weights and 256 MiB (`default_kv_budget`), lowered to what the memory leaves after the
+weights. The budget holds everything the cache allocates: pages, rings and COVER's scratch
+slots (worker/kv_cache.py `KVLayout.plan`). If the weights plus one canvas of `canvas_tokens` cannot fit,
 `plan_memory` raises ValueError with the numbers before a byte is allocated.
 """
 
@@ -25,6 +27,7 @@ from cover_vllm.models.spec import ModelSpec
 
 GiB = 1 << 30
 DEFAULT_CANVAS_TOKENS = 1024      # "a request" for the budget check and the startup line
+DEFAULT_KV_FLOOR_BYTES = 256 << 20    # a default pool may stay this size above twice the weights
 
 
 def host_memory_bytes() -> int:
@@ -59,7 +62,7 @@ def rss_bytes(pid: int | str = "self") -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     weight_bytes: int          # parameters of every rank (sharded once, replicated x ranks)
-    kv_bytes: int              # the whole KV pool (all ranks): num_pages x page bytes (+ rings)
+    kv_bytes: int              # the whole KV allocation (all ranks): pages + rings + scratch
     num_pages: int
     page_size: int             # tokens per page
     canvas_tokens: int         # the "default length" canvases are counted in
@@ -67,14 +70,21 @@ class MemoryPlan:
     kv_bytes_per_token: int    # of the paged layers
     num_rings: int = 0         # per-sequence sliding-layer rings (worker/kv_cache.py KVLayout)
     ring_len: int = 0          # slots of one ring
-    budget_bytes: int = 0      # what pages and rings were split from (every rank splits it
-                               # the same way: the engine hands it on as kv_cache_memory_bytes)
-    scratch_slots: int = 0     # behind the pages: COVER's seeds' fresh K/V (worker/kv_cache.py)
+    budget_bytes: int = 0      # the KV budget pages, rings and scratch were planned from
+                               # (every rank plans it the same way: the engine hands it on as
+                               # kv_cache_memory_bytes)
+    scratch_slots: int = 0     # behind the pages: COVER's seeds' fresh K/V (worker/kv_cache.py),
+                               # inside the budget
 
     @property
     def scratch_bytes(self) -> int:
-        """The scratch slots' K and V (all ranks), on top of `kv_bytes`."""
+        """The scratch slots' K and V (all ranks), part of `kv_bytes`."""
         return self.scratch_slots * self.kv_bytes_per_token
+
+    @property
+    def page_bytes(self) -> int:
+        """The pages' (and rings') K and V (all ranks): `kv_bytes` less the scratch."""
+        return self.kv_bytes - self.scratch_bytes
 
     @property
     def canvases(self) -> int:
@@ -85,12 +95,18 @@ class MemoryPlan:
     def startup_line(self) -> str:
         rings = (f" + {self.num_rings} sliding-window rings of {self.ring_len} slots"
                  if self.ring_len else "")
-        scratch = (f" + {self.scratch_slots} scratch slots ({self.scratch_bytes / GiB:.2f} GiB)"
+        scratch = (f" + {self.scratch_slots} scratch slots ({_size(self.scratch_bytes)})"
                    if self.scratch_slots else "")
         return (f"memory: weights {self.weight_bytes / GiB:.2f} GiB, KV cache "
-                f"{self.kv_bytes / GiB:.2f} GiB = {self.num_pages} pages of {self.page_size} "
-                f"tokens{rings}{scratch}, fits {self.canvases} canvases of "
-                f"{self.canvas_tokens} tokens (budget {self.capacity_bytes / GiB:.2f} GiB)")
+                f"{_size(self.kv_bytes)} of a {_size(self.budget_bytes)} budget = "
+                f"{self.num_pages} pages of {self.page_size} tokens{rings} "
+                f"({_size(self.page_bytes)}){scratch}, fits {self.canvases} canvases of "
+                f"{self.canvas_tokens} tokens (memory {self.capacity_bytes / GiB:.2f} GiB)")
+
+
+def _size(nbytes: int) -> str:
+    """GiB from 1 GiB up, MiB below."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def weight_bytes(model: torch.nn.Module, world_size: int,
@@ -136,9 +152,31 @@ def _capacity(config: EngineConfig) -> tuple[int, bool]:
     return int(config.memory_fraction * host_memory_bytes()), True
 
 
+def wants_scratch(decoding: str | None) -> bool:
+    """Whether the engine's default decoding verifies seeds (strategies/base.py
+    `verifies_seeds`: COVER), so that its cache gets scratch slots. A request that asks for
+    COVER on an engine without them writes its seeds the slow way: the same tokens."""
+    from cover_vllm.strategies import strategy_class
+
+    return decoding is not None and getattr(strategy_class(decoding), "verifies_seeds", False)
+
+
+def default_kv_budget(config: EngineConfig, layout, dtype: torch.dtype, max_model_len: int,
+                      weights: int) -> int:
+    """The KV budget when the user gives none: room for `max_num_seqs` canvases of
+    `max_model_len` (each with its ring, where the model has rings), at most 2 GiB and at most
+    the larger of twice the weights and DEFAULT_KV_FLOOR_BYTES (a small model gets a pool that
+    fits it, not 2 GiB)."""
+    full = config.kv_budget_bytes(layout.bytes_per_token(dtype), max_model_len,
+                                  layout.ring_bytes(dtype))
+    return min(full, max(2 * weights, DEFAULT_KV_FLOOR_BYTES))
+
+
 def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
-    """Size the KV pool for `model` (the unsharded meta model in its final dtype)."""
-    from cover_vllm.worker.kv_cache import KVLayout, scratch_slots
+    """Size the KV pool for `model` (the unsharded meta model in its final dtype): the budget
+    (the user's `kv_cache_memory_bytes`, else `default_kv_budget` lowered to what the memory
+    left after the weights allows) holds the pages, rings and scratch slots together."""
+    from cover_vllm.worker.kv_cache import KVLayout
 
     n = config.tensor_parallel_size
     dtype = next(model.parameters()).dtype
@@ -152,11 +190,9 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     share = 1 if shared else n                   # a device holds 1/n of the pool
     canvas = min(spec.max_model_len, DEFAULT_CANVAS_TOKENS)
     canvas_bytes = -(-canvas // config.page_size) * page_bytes + ring_bytes
-    num_scratch = scratch_slots(layout, config.max_num_seqs)
-    weights_and_scratch = weights + num_scratch * per_token // share
-    left = capacity - weights_and_scratch
+    left = capacity - weights
     where = ("host memory" if shared else "device memory")
-    if weights_and_scratch + canvas_bytes // share > capacity:
+    if weights + canvas_bytes // share > capacity:
         raise ValueError(
             f"{spec.family} weights need {weights / GiB:.2f} GiB and one {canvas}-token canvas "
             f"{canvas_bytes / share / GiB:.2f} GiB of KV cache, but {config.memory_option} "
@@ -167,17 +203,16 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
             + "more tensor-parallel ranks, or raise memory_utilization")
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
-        if weights_and_scratch + budget // share > capacity:
+        if weights + budget // share > capacity:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} ({budget / GiB:.2f} GiB) plus the weights "
                 f"({weights / GiB:.2f} GiB) exceed {config.memory_option}"
                 f" of the {where} ({capacity / GiB:.2f} GiB); at most {left * share} bytes fit")
     else:
-        budget = min(config.kv_budget_bytes(per_token, spec.max_model_len, ring_bytes),
+        budget = min(default_kv_budget(config, layout, dtype, spec.max_model_len, all_ranks),
                      left * share)
-    num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
-                                        canvas)
-    kv_bytes = num_pages * page_bytes + num_rings * ring_bytes
-    return MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
-                      per_token, num_rings, layout.ring_len,
-                      budget if layout.ring_len else kv_bytes, num_scratch)
+    kv = layout.plan(budget, config.page_size, dtype, config.max_num_seqs, canvas,
+                     wants_scratch(config.decoding))
+    kv_bytes = kv.num_pages * page_bytes + kv.num_rings * ring_bytes + kv.num_scratch * per_token
+    return MemoryPlan(weights, kv_bytes, kv.num_pages, config.page_size, canvas, capacity,
+                      per_token, kv.num_rings, layout.ring_len, budget, kv.num_scratch)

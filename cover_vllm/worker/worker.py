@@ -20,8 +20,9 @@ from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.allocator import keep_activations_on_heap, map_large_allocations
 from cover_vllm.worker.canvas_runner import CanvasRunner
 from cover_vllm.worker.cuda_graphs import capture_backend_for
-from cover_vllm.worker.kv_cache import KVCache, KVLayout, scratch_slots
-from cover_vllm.worker.memory import DEFAULT_CANVAS_TOKENS, peak_rss_bytes
+from cover_vllm.worker.kv_cache import KVCache, KVLayout
+from cover_vllm.worker.memory import (DEFAULT_CANVAS_TOKENS, default_kv_budget, peak_rss_bytes,
+                                     wants_scratch, weight_bytes)
 from cover_vllm.worker.model_runner import ModelRunner
 from cover_vllm.worker.threads import apply_num_threads
 
@@ -52,7 +53,10 @@ class Worker:
         dtype = resolve_dtype(config.dtype, spec, config.device)
         model = build_model(spec, dtype, "meta")                # no storage yet
         layout = KVLayout.of(model)                             # whole model, all kv heads
-        per_token = layout.bytes_per_token(dtype)
+        budget = config.kv_cache_memory_bytes                   # the engine's plan, else its
+        if budget is None:                                      # default (a Worker on its own)
+            budget = default_kv_budget(config, layout, dtype, spec.max_model_len,
+                                       weight_bytes(model, 1)[0])
         source = weight_source(resolved, model, config.load_format, config.seed)
         slices = None
         if tp is not None:
@@ -64,14 +68,14 @@ class Worker:
         materialize(model, device)                              # this rank's shard only
         load_quantized(model, source, slices, pack=True)        # = load_into if unquantized
         pack_projections(model)         # CPU bf16: oneDNN-blocked weights, same bits; quantized:
-        if torch.device(device).type == "cpu":                  # the kernel's layout
-            keep_activations_on_heap()          # after the weights: see there
+                                        # the kernel's layout
         use_fast_norm(model, config.fast_norm)          # default: the official norm order
         self.model = model.eval().requires_grad_(False)
         reserve_rope_tables(model, spec.max_model_len)         # off the CPU: angles tabulated
-        budget = config.kv_budget_bytes(per_token, spec.max_model_len, layout.ring_bytes(dtype))
-        num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
-                                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS))
+        plan = layout.plan(budget, config.page_size, dtype, config.max_num_seqs,
+                           min(spec.max_model_len, DEFAULT_CANVAS_TOKENS),
+                           wants_scratch(config.decoding))          # = the engine's MemoryPlan
+        num_pages, num_rings = plan.num_pages, plan.num_rings
         self.tp, self.num_pages = tp, num_pages
         capture = None
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
@@ -81,9 +85,11 @@ class Worker:
         else:
             capture = capture_backend_for(config, device)       # None: eager (cuda_graphs.py)
             self.cache = KVCache(model.dims, num_pages, config.page_size, dtype, device,
-                                 scratch_slots(layout, config.max_num_seqs),
+                                 plan.num_scratch,
                                  pad_slot=capture is not None)
             canvas = None
+        if torch.device(device).type == "cpu":  # after the weights and the KV cache, which keep
+            keep_activations_on_heap()          # their own mappings (freed: back to the OS)
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
                                   canvas, capture)
 

@@ -50,6 +50,8 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
         self.engine, self.metrics = engine, metrics
+        if metrics is not None:
+            metrics.set_kv_cache_bytes(engine.memory.page_bytes, engine.memory.scratch_bytes)
         self.driver = EngineDriver(engine, self)
         self._streams: dict[str, RequestStream] = {}
         self._started = self._stopping = False

@@ -114,6 +114,9 @@ class ServerMetrics:
         self.kv_pages_used = Gauge(PREFIX + "kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_pages_total = Gauge(PREFIX + "kv_pages_total", "KV cache pages in the pool",
                                     registry=r)
+        self.kv_cache_bytes = Gauge(PREFIX + "kv_cache_bytes", "KV cache bytes allocated, by "
+                                    "part: pages (with rings) and COVER's scratch slots; "
+                                    "together within the KV budget", ["part"], registry=r)
         self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         r.register(_RatioCollector(self))
@@ -153,6 +156,11 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_pages_used.set(pages_used)
         self.kv_pages_total.set(pages_total)
+
+    def set_kv_cache_bytes(self, pages: int, scratch: int) -> None:
+        """The KV allocation, once at start (worker/memory.py MemoryPlan)."""
+        self.kv_cache_bytes.labels(part="pages").set(pages)
+        self.kv_cache_bytes.labels(part="scratch").set(scratch)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
