@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cover_vllm.text_input import check_text
+
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -20,10 +22,12 @@ def content_text(content: Any) -> str:
     """A message's content as text: a string, or a list of {'type': 'text', 'text': ...} parts
     (joined); other part types are refused with the reason."""
     if isinstance(content, str):
-        return content
+        return check_text(content, "content")
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
+        for j, p in enumerate(content):
+            check_text(p["text"], f"content[{j}].text")
         return "".join(p["text"] for p in content)
     if isinstance(content, list):
         kinds = sorted({p.get("type") for p in content if isinstance(p, dict)} - {"text"}, key=str)

@@ -13,6 +13,7 @@ from cover_vllm.engine.canvas_decide import check_canvas_length
 from cover_vllm.logger import init_logger
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.text_input import check_text
 
 logger = init_logger(__name__)
 
@@ -60,7 +61,7 @@ def prompt_ids(prompt, vocab_size: int, tokenize) -> tuple[str | None, list[int]
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        return prompt, tokenize(prompt)
+        return prompt, tokenize(check_text(prompt, "prompt"))
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
             raise ValueError("a dict prompt needs the key 'prompt_token_ids'")

@@ -33,7 +33,8 @@ from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server import scoring, serving
 from cover_vllm.entrypoints.server.client import EngineClient
 from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestError
-from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
+from cover_vllm.entrypoints.server.errors import (APIError, InternalErrors,
+                                                  from_validation_error)
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
 from cover_vllm.entrypoints.server.structured import unknown_field_hint
@@ -117,7 +118,9 @@ async def completions(request: Request):
     ctx = _ctx(request)
     serving.check_model(ctx, req.model)
     scoring.check_scoring_fields(req)
-    prompts = [serving.tokenize(ctx, p) for p in req.prompt]
+    many = len(req.prompt) > 1
+    prompts = [serving.tokenize(ctx, p, f"prompt[{i}]" if many else "prompt")
+               for i, p in enumerate(req.prompt)]
     if req.echo:                # echo: the prompt's values (scoring.py)
         return await scoring.create_echo_completion(ctx, request, req, prompts)
     return await serving.create_completion(ctx, request, req, prompts)
@@ -168,15 +171,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(f"invalid request: {first.get('msg', exc)}",
                                         param=param))
 
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(f"internal server error: {type(exc).__name__}",
-                                        status=500, type="server_error"))
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(InternalErrors)    # any other exception: a 500, the connection kept
 
 
 def build_app(engine: Engine | EngineConfig, model_name: str | None = None,

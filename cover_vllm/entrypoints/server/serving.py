@@ -32,6 +32,7 @@ from cover_vllm.entrypoints.server.structured import as_sent
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
+from cover_vllm.text_input import check_text
 
 
 @dataclass
@@ -54,9 +55,15 @@ def check_model(ctx: ServingContext, name: str | None) -> None:
         raise model_not_found(name)
 
 
-def tokenize(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+def tokenize(ctx: ServingContext, prompt: str | list[int], where: str = "prompt") -> list[int]:
+    """A prompt's ids; a 400 naming `prompt` (`where` says which one of a list) for text that
+    is not valid Unicode or has no tokenizer."""
     if not isinstance(prompt, str):
         return list(prompt)
+    try:
+        check_text(prompt, where)
+    except ValueError as exc:
+        raise APIError(str(exc), param="prompt", code="invalid_value") from exc
     if ctx.tokenizer is None:
         raise APIError("this model has no tokenizer: send the prompt as token ids",
                        param="prompt", code="no_tokenizer")
