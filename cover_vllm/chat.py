@@ -129,3 +129,12 @@ def load_chat_template(value: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse as Jinja: {exc}") from None
     return text
+
+
+def template_reads(template: str, name: str) -> bool:
+    """Whether the Jinja `template` reads the variable `name` (e.g. `tools`: a template that
+    never reads it would drop them without a word)."""
+    from jinja2 import Environment, meta
+
+    parsed = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    return name in meta.find_undeclared_variables(parsed)
