@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from cover_vllm.config import EngineConfig
+from cover_vllm.device_check import check_device
 from cover_vllm.engine.engine import Engine
 from cover_vllm.outputs import Logprob, RequestOutput
 from cover_vllm.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class LLM:
 
     def __init__(self, model: str, **options: Any):
         config = EngineConfig.from_options(model, **options)
+        if config.distributed_executor_backend != "ray":     # Ray workers check their own
+            check_device(config.device)
         self.engine = Engine(config)
         self._ids = itertools.count()
 

@@ -38,7 +38,9 @@ def probe_device(device: str | torch.device) -> torch.device:
 def _on(device: torch.device):
     """CUDA: `device` made current, so the probe's events and kernels share its stream; else a
     no-op."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(torch.cuda.current_device() if device.index is None else device)
 
 
 def gemm_size(device: str | torch.device = "cpu") -> int:
