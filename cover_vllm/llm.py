@@ -92,16 +92,16 @@ class LLM:
         SamplingParams.prompt_logprobs = k the prompts are scored after generating, one exact
         forward per prompt token (RequestOutput.prompt_logprobs).
         """
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("prompts is empty")
+        prompts = _prompt_list(prompts)
         params = (sampling_params if sampling_params is not None
                   else self.get_default_sampling_params())
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if not isinstance(params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one "
+                             f"per prompt), got {type(params).__name__}: build "
+                             "SamplingParams(**fields) from a dict")
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -238,6 +238,20 @@ class LLM:
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv, options)}
                    for conv in checked]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts: Any) -> list:
+    """`generate`'s prompts as a list: one prompt (a string, a list of token ids, a
+    TokensPrompt / TextPrompt dict) or a list of them; ValueError naming `prompts` otherwise."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, a TokensPrompt / "
+                         f"TextPrompt dict, or a list of them; got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    return list(prompts)
 
 
 def _template_options(given: dict[str, Any]):

@@ -3,7 +3,8 @@ StructuredOutputsParams: a request's output constraint (vLLM's names)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
@@ -199,6 +200,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"SamplingParams.{name} must be a number, got "
                                 f"{type(value).__name__}")
+            if not math.isfinite(value):          # the server's rule (allow_inf_nan=False)
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -236,6 +239,12 @@ class SamplingParams:
                             "a dict of its fields, or None")
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")
+        knobs = self.decoding_params
+        if knobs is not None and not is_dataclass(knobs) and not (
+                isinstance(knobs, dict) and all(isinstance(k, str) for k in knobs)):
+            raise TypeError("SamplingParams.decoding_params must be a dict of the decoder's "
+                             "knobs (or its params dataclass), got "
+                             f"{type(knobs).__name__}")
         self._check_decoding()
 
     def _vllm_fields(self) -> None:
@@ -256,9 +265,18 @@ class SamplingParams:
     def _check_decoding(self) -> None:
         """The decoder's name and knobs, checked now as the server checks them (ValueError /
         TypeError naming `decoding` and the valid names, or the knob); knobs given without a
-        decoder are the engine's default decoder's, checked when the request is added."""
+        decoder are the engine's default decoder's: a name no decoder has is refused here, the
+        rest are checked when the request is added."""
+        from cover_vllm.strategies import DECODERS, make_params, strategy_class
+
         if self.decoding is None:
+            if isinstance(self.decoding_params, dict):
+                known = {f for name in DECODERS
+                         for f in strategy_class(name).params_cls.__dataclass_fields__}
+                unknown = sorted(set(self.decoding_params) - known)
+                if unknown:
+                    raise ValueError(f"SamplingParams.decoding_params {unknown}: no decoder has "
+                                     f"such a knob; known knobs: {sorted(known)}")
             return
-        from cover_vllm.strategies import make_params
 
         make_params(self.decoding, self.decoding_params)
