@@ -3,6 +3,7 @@ StructuredOutputsParams: a request's output constraint (vLLM's names)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
@@ -99,7 +100,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How one request is decoded.
 
-    `max_tokens` generation slots start as [MASK] and are split into semi-autoregressive blocks of
+    `max_tokens` (None: up to the model's max length after the prompt, as in vLLM)
+    generation slots start as [MASK] and are split into semi-autoregressive blocks of
     `block_length` (None: the model's default, capped at max_tokens). `steps` is the total number of
     denoising steps for strategies with a fixed schedule (None: the strategy's default, e.g. one
     token per step for `low_confidence`). `decoding` overrides the engine's default strategy and
@@ -181,7 +183,7 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, allow_none=False)
+        _check_int("max_tokens", self.max_tokens, allow_none=True)   # None: up to max length
         for name in ("block_length", "steps", "seed", "logprobs"):
             _check_int(name, getattr(self, name), allow_none=True)
         _check_int("top_k", self.top_k, allow_none=False)
@@ -189,7 +191,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs must be None (off) or an int from 0 "
                              f"(the chosen token only) to {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.max_tokens <= 0:
+        if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
         if self.block_length is not None and self.block_length <= 0:
             raise ValueError(f"SamplingParams.block_length must be > 0, got {self.block_length}")
@@ -246,6 +248,10 @@ class SamplingParams:
                              "knobs (or its params dataclass), got "
                              f"{type(knobs).__name__}")
         self._check_decoding()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's `SamplingParams.clone`)."""
+        return copy.deepcopy(self)
 
     def _vllm_fields(self) -> None:
         """vLLM's extra fields: ranges, refusals, and guided_decoding moved to

@@ -51,7 +51,12 @@ def _reject_constant(name: str) -> Any:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past `limit` bytes, 400 for non-UTF-8 or invalid JSON."""
+    """The body as a JSON object: 400 unless sent as application/json (vLLM's rule), 413 past
+    `limit` bytes, 400 for non-UTF-8 or invalid JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError("Unsupported Media Type: Only 'application/json' is allowed (got "
+                       f"Content-Type {media_type or 'none'!r})", code="unsupported_media_type")
     too_big = APIError(f"request body exceeds the limit of {limit} bytes", status=413,
                        code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -130,6 +135,13 @@ async def chat_completions(request: Request):
     _check_key(request)
     req = _parse(ChatRequest, await read_json(request, request.app.state.max_body_bytes))
     return await serving.create_chat_completion(_ctx(request), request, req)
+
+
+async def version(request: Request) -> dict:
+    """vLLM's GET /version: the package version."""
+    from cover_vllm import __version__
+
+    return {"version": __version__}
 
 
 async def health(request: Request) -> Response:
@@ -243,6 +255,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app
 

@@ -108,6 +108,13 @@ class SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):     # vLLM's rule
+            raise ValueError("stream_options can only be given with stream=true")
+        return value
+
     @field_validator("n")
     @classmethod
     def _n(cls, value):
