@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from cover_vllm.device_check import check_device
 from cover_vllm.flops import FlopModel
 from cover_vllm.layers.base import ModelDims
 from cover_vllm.layers.quantization.format import QuantConfig
@@ -184,7 +185,9 @@ def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,), read_rate: 
     GEMM side probed, the peak GEMM rate (GFLOP/s) in fp32 and in every dtype of `dtypes`,
     keyed by dtype name (`int8`: also W8A8's int8 GEMM, GOP/s, key "int8"), and the memory
     rate (GB/s; `read_rate=False` skips its probe, e.g. where peak memory is being measured);
-    with cores, torch threads and torch version."""
+    with cores, torch threads and torch version. ValueError in one line for a device this
+    process cannot use (CUDA on a CPU-only torch)."""
+    check_device(device)
     device = probe_device(device)
     peaks = {}
     for dtype in dict.fromkeys((torch.float32, *dtypes)):

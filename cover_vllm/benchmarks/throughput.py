@@ -36,7 +36,6 @@ from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
                                            pin_threads, step_flops, utilization)
 from cover_vllm.benchmarks.report import device_text, rates_text, spread_text, step_text
 from cover_vllm.benchmarks.step_ops import count_row_ops, decide_ms_per_step
-from cover_vllm.device_check import check_device
 from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
@@ -282,7 +281,6 @@ def _measure(llm: LLM, work: Workload, sp: SamplingParams) -> _Run:
 
 
 def run_throughput(spec: ThroughputSpec, log=print) -> dict:
-    check_device(spec.device)          # one line, before the peak probes touch the device
     threads = pin_threads(spec.model, spec.threads)
     resolved = resolve_model(spec.model)
     model_spec = ModelSpec.from_config(resolved.config)

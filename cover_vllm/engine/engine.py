@@ -45,7 +45,6 @@ from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
 from cover_vllm.strategies.canvas import CanvasDecoder
 from cover_vllm.structured_output import GrammarBackend
-from cover_vllm.worker.kv_cache import check_kv_budget
 from cover_vllm.worker.memory import plan_memory
 from cover_vllm.worker.worker import rank_device
 
@@ -85,7 +84,6 @@ class Engine:
         check_quantization(meta, self.quantization, config.tensor_parallel_size)
         quantize_model(meta, self.quantization)                # the plan counts quantized bytes
         self.memory = plan_memory(config, self.spec, meta)     # raises before anything loads
-        check_kv_budget(config.kv_cache_memory_bytes, self.memory, self.spec.max_model_len)
         # the resolved KV budget travels to every rank (the same page count everywhere)
         self.config = config = config.with_overrides(
             kv_cache_memory_bytes=self.memory.budget_bytes)

@@ -138,7 +138,7 @@ def _capacity(config: EngineConfig) -> tuple[int, bool]:
 
 def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -> MemoryPlan:
     """Size the KV pool for `model` (the unsharded meta model in its final dtype)."""
-    from cover_vllm.worker.kv_cache import KVLayout, scratch_slots
+    from cover_vllm.worker.kv_cache import KVLayout, check_kv_budget, scratch_slots
 
     n = config.tensor_parallel_size
     dtype = next(model.parameters()).dtype
@@ -178,6 +178,8 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     num_pages, num_rings = layout.split(budget, config.page_size, dtype, config.max_num_seqs,
                                         canvas)
     kv_bytes = num_pages * page_bytes + num_rings * ring_bytes
-    return MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
+    plan = MemoryPlan(weights, kv_bytes, num_pages, config.page_size, canvas, capacity,
                       per_token, num_rings, layout.ring_len,
                       budget if layout.ring_len else kv_bytes, num_scratch)
+    check_kv_budget(config.kv_cache_memory_bytes, plan, spec.max_model_len)   # budget 10: no page
+    return plan
