@@ -25,6 +25,8 @@ BAD = [
     ("/v1/completions", r'{"prompt": ["hello", "a\udc00"], "max_tokens": 4}', "prompt"),
     ("/v1/completions", r'{"prompt": "\udc00\ud800 reversed pair", "max_tokens": 4}', "prompt"),
     ("/v1/completions", r'{"prompt": "bad escape \x41", "max_tokens": 4}', None),
+    ("/v1/completions", r'{"prompt": "hello", "continuation": " \udc00", "echo": true, '
+     r'"logprobs": 1, "max_tokens": 0}', "continuation"),
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}',
      "messages.0.content"),
     ("/v1/chat/completions", r'{"messages": [{"role": "system", "content": "hi"}, {"role": '
