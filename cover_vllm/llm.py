@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -97,12 +97,11 @@ class LLM:
                   else self.get_default_sampling_params())
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        if not isinstance(params, (list, tuple)) or not all(
-                isinstance(p, SamplingParams) for p in params):
+        params = list(params) if _is_sequence(params) else [params]
+        if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be a SamplingParams or a list of them (one "
-                             f"per prompt), got {type(params).__name__}: build "
+                             f"per prompt), got {type(params[0]).__name__}: build "
                              "SamplingParams(**fields) from a dict")
-        params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         scored = [p.prompt_logprobs is not None for p in params]
@@ -246,12 +245,18 @@ def _prompt_list(prompts: Any) -> list:
     if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
+    if not _is_sequence(prompts):
         raise ValueError("prompts must be a string, a list of token ids, a TokensPrompt / "
                          f"TextPrompt dict, or a list of them; got {type(prompts).__name__}")
+    prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts is empty")
-    return list(prompts)
+    return prompts
+
+
+def _is_sequence(value: Any) -> bool:
+    """An iterable of items (a list, tuple, generator, ...), not a str, bytes or dict."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict))
 
 
 def _template_options(given: dict[str, Any]):

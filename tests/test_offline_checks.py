@@ -50,7 +50,7 @@ def llm():
     return LLM("cover-tiny", num_threads=1)
 
 
-@pytest.mark.parametrize("prompts", [5, 2.5, None, {1, 2}])
+@pytest.mark.parametrize("prompts", [5, 2.5, None, b"hello"])
 def test_prompts_of_the_wrong_kind_name_prompts(llm, prompts) -> None:
     with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
         llm.generate(prompts, use_tqdm=False)
@@ -61,3 +61,9 @@ def test_sampling_params_of_the_wrong_kind_name_sampling_params(llm, params) -> 
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         llm.generate("hello", params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompts_and_params_may_be_any_iterable(llm) -> None:
+    outs = llm.generate((p for p in ["12+34=", "5+6="]),
+                        (SamplingParams(max_tokens=4) for _ in range(2)), use_tqdm=False)
+    assert len(outs) == 2
