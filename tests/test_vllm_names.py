@@ -51,6 +51,9 @@ def test_tokens_and_text_prompts(llm) -> None:
     assert as_text.prompt == "12+34="
     assert as_text.outputs[0].token_ids == as_tokens.outputs[0].token_ids == \
         text.outputs[0].token_ids
+    import cover_vllm
+
+    assert (cover_vllm.TextPrompt, cover_vllm.TokensPrompt) == (TextPrompt, TokensPrompt)
     with pytest.raises(TypeError, match="TextPrompt's 'prompt' must be a string"):
         llm.generate({"prompt": 5}, params, use_tqdm=False)
 
