@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cover_vllm.text_input import check_text
+
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -20,10 +22,12 @@ def content_text(content: Any) -> str:
     """A message's content as text: a string, or a list of {'type': 'text', 'text': ...} parts
     (joined); other part types are refused with the reason."""
     if isinstance(content, str):
-        return content
+        return check_text(content, "content")
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
+        for j, p in enumerate(content):
+            check_text(p["text"], f"content[{j}].text")
         return "".join(p["text"] for p in content)
     if isinstance(content, list):
         kinds = sorted({p.get("type") for p in content if isinstance(p, dict)} - {"text"}, key=str)
@@ -125,3 +129,12 @@ def load_chat_template(value: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse as Jinja: {exc}") from None
     return text
+
+
+def template_reads(template: str, name: str) -> bool:
+    """Whether the Jinja `template` reads the variable `name` (e.g. `tools`: a template that
+    never reads it would drop them without a word)."""
+    from jinja2 import Environment, meta
+
+    parsed = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    return name in meta.find_undeclared_variables(parsed)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
 from cover_vllm.config import EngineConfig
+from cover_vllm.device_check import check_device
 from cover_vllm.engine.engine import Engine
 from cover_vllm.outputs import Logprob, RequestOutput
 from cover_vllm.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class LLM:
 
     def __init__(self, model: str, **options: Any):
         config = EngineConfig.from_options(model, **options)
+        if config.distributed_executor_backend != "ray":     # Ray workers check their own
+            check_device(config.device)
         self.engine = Engine(config)
         self._ids = itertools.count()
 
@@ -89,17 +92,16 @@ class LLM:
         SamplingParams.prompt_logprobs = k the prompts are scored after generating, one exact
         forward per prompt token (RequestOutput.prompt_logprobs).
         """
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("prompts is empty")
+        prompts = _prompt_list(prompts)
         params = (sampling_params if sampling_params is not None
                   else self.get_default_sampling_params())
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        params = list(params)
+        params = list(params) if _is_sequence(params) else [params]
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one "
+                             f"per prompt), got {type(params[0]).__name__}: build "
+                             "SamplingParams(**fields) from a dict")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         scored = [p.prompt_logprobs is not None for p in params]
@@ -235,6 +237,26 @@ class LLM:
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv, options)}
                    for conv in checked]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts: Any) -> list:
+    """`generate`'s prompts as a list: one prompt (a string, a list of token ids, a
+    TokensPrompt / TextPrompt dict) or a list of them; ValueError naming `prompts` otherwise."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not _is_sequence(prompts):
+        raise ValueError("prompts must be a string, a list of token ids, a TokensPrompt / "
+                         f"TextPrompt dict, or a list of them; got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    return prompts
+
+
+def _is_sequence(value: Any) -> bool:
+    """An iterable of items (a list, tuple, generator, ...), not a str, bytes or dict."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict))
 
 
 def _template_options(given: dict[str, Any]):

@@ -101,8 +101,9 @@ def check_processing_fields(p: Any, owner: str = "SamplingParams.") -> None:
                          f"{p.repetition_penalty}")
     if not 0.0 <= _number(owner, "min_p", p.min_p) <= 1.0:
         raise ValueError(f"{owner}min_p must be in [0, 1] (0: off), got {p.min_p}")
+    most = p.max_tokens if p.max_tokens is not None else p.min_tokens   # None: max length
     if isinstance(p.min_tokens, bool) or not isinstance(p.min_tokens, int) or not (
-            0 <= p.min_tokens <= p.max_tokens):
+            0 <= p.min_tokens <= most):
         raise ValueError(f"{owner}min_tokens must be an int from 0 to max_tokens "
                          f"({p.max_tokens}), got {p.min_tokens!r}")
     for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):

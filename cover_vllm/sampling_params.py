@@ -3,7 +3,9 @@ StructuredOutputsParams: a request's output constraint (vLLM's names)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import math
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 from cover_vllm.cache_refresh import CacheRefresh, parse_cache_refresh
@@ -98,7 +100,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How one request is decoded.
 
-    `max_tokens` generation slots start as [MASK] and are split into semi-autoregressive blocks of
+    `max_tokens` (None: up to the model's max length after the prompt, as in vLLM)
+    generation slots start as [MASK] and are split into semi-autoregressive blocks of
     `block_length` (None: the model's default, capped at max_tokens). `steps` is the total number of
     denoising steps for strategies with a fixed schedule (None: the strategy's default, e.g. one
     token per step for `low_confidence`). `decoding` overrides the engine's default strategy and
@@ -180,7 +183,7 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, allow_none=False)
+        _check_int("max_tokens", self.max_tokens, allow_none=True)   # None: up to max length
         for name in ("block_length", "steps", "seed", "logprobs"):
             _check_int(name, getattr(self, name), allow_none=True)
         _check_int("top_k", self.top_k, allow_none=False)
@@ -188,7 +191,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs must be None (off) or an int from 0 "
                              f"(the chosen token only) to {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.max_tokens <= 0:
+        if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be > 0, got {self.max_tokens}")
         if self.block_length is not None and self.block_length <= 0:
             raise ValueError(f"SamplingParams.block_length must be > 0, got {self.block_length}")
@@ -199,6 +202,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"SamplingParams.{name} must be a number, got "
                                 f"{type(value).__name__}")
+            if not math.isfinite(value):          # the server's rule (allow_inf_nan=False)
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -236,7 +241,17 @@ class SamplingParams:
                             "a dict of its fields, or None")
         if self.decoding is not None and not isinstance(self.decoding, str):
             raise TypeError("SamplingParams.decoding must be a strategy name (str) or None")
+        knobs = self.decoding_params
+        if knobs is not None and not is_dataclass(knobs) and not (
+                isinstance(knobs, dict) and all(isinstance(k, str) for k in knobs)):
+            raise TypeError("SamplingParams.decoding_params must be a dict of the decoder's "
+                             "knobs (or its params dataclass), got "
+                             f"{type(knobs).__name__}")
         self._check_decoding()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's `SamplingParams.clone`)."""
+        return copy.deepcopy(self)
 
     def _vllm_fields(self) -> None:
         """vLLM's extra fields: ranges, refusals, and guided_decoding moved to
@@ -256,9 +271,18 @@ class SamplingParams:
     def _check_decoding(self) -> None:
         """The decoder's name and knobs, checked now as the server checks them (ValueError /
         TypeError naming `decoding` and the valid names, or the knob); knobs given without a
-        decoder are the engine's default decoder's, checked when the request is added."""
+        decoder are the engine's default decoder's: a name no decoder has is refused here, the
+        rest are checked when the request is added."""
+        from cover_vllm.strategies import DECODERS, make_params, strategy_class
+
         if self.decoding is None:
+            if isinstance(self.decoding_params, dict):
+                known = {f for name in DECODERS
+                         for f in strategy_class(name).params_cls.__dataclass_fields__}
+                unknown = sorted(set(self.decoding_params) - known)
+                if unknown:
+                    raise ValueError(f"SamplingParams.decoding_params {unknown}: no decoder has "
+                                     f"such a knob; known knobs: {sorted(known)}")
             return
-        from cover_vllm.strategies import make_params
 
         make_params(self.decoding, self.decoding_params)

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from cover_vllm.text_input import check_text
+
 if TYPE_CHECKING:
     from cover_vllm.chat import ChatTemplateOptions
 
@@ -103,7 +105,8 @@ class LocalTokenizer:
         return [self._tok.token_to_id(t) for t in tokens]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode(check_text(text, "text"),
+                                add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         ids = self.encode(text, add_special_tokens=add_special_tokens)

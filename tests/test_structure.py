@@ -20,6 +20,7 @@ PACKAGE = Path(cover_vllm.__file__).parent
 LAYERS = [
     ("foundation", ["cover_vllm.logger", "cover_vllm.outputs", "cover_vllm.cache_refresh",
                     "cover_vllm.config", "cover_vllm.sampling_fields", "cover_vllm.chat",
+                    "cover_vllm.text_input", "cover_vllm.device_check", "cover_vllm.inputs",
                     "cover_vllm.step_plan", "cover_vllm.host_transfer",
                     "cover_vllm.tokenizer", "cover_vllm.tasks", "cover_vllm.vllm_args",
                     "cover_vllm.scoring"]),

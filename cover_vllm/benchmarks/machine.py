@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from cover_vllm.device_check import check_device
 from cover_vllm.flops import FlopModel
 from cover_vllm.layers.base import ModelDims
 from cover_vllm.layers.quantization.format import QuantConfig
@@ -38,7 +39,9 @@ def probe_device(device: str | torch.device) -> torch.device:
 def _on(device: torch.device):
     """CUDA: `device` made current, so the probe's events and kernels share its stream; else a
     no-op."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(torch.cuda.current_device() if device.index is None else device)
 
 
 def gemm_size(device: str | torch.device = "cpu") -> int:
@@ -182,7 +185,9 @@ def machine_info(dtypes: tuple[torch.dtype, ...] = (torch.float32,), read_rate: 
     GEMM side probed, the peak GEMM rate (GFLOP/s) in fp32 and in every dtype of `dtypes`,
     keyed by dtype name (`int8`: also W8A8's int8 GEMM, GOP/s, key "int8"), and the memory
     rate (GB/s; `read_rate=False` skips its probe, e.g. where peak memory is being measured);
-    with cores, torch threads and torch version."""
+    with cores, torch threads and torch version. ValueError in one line for a device this
+    process cannot use (CUDA on a CPU-only torch)."""
+    check_device(device)
     device = probe_device(device)
     peaks = {}
     for dtype in dict.fromkeys((torch.float32, *dtypes)):

@@ -21,7 +21,7 @@ from cover_vllm.engine.parallel_sampling import ParentRequest
 from cover_vllm.engine.request_hints import RequestHints
 from cover_vllm.engine.setup import (check_length, load_tokenizer_if_any,
                                      log_trust_remote_code, prefix_caching, prompt_ids,
-                                     request_generator)
+                                     request_generator, with_max_tokens)
 from cover_vllm.engine.strategy_stage import StrategyStage
 from cover_vllm.engine.timing import StepClock
 from cover_vllm.executor import make_executor
@@ -141,6 +141,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = prompt_ids(prompt, self.spec.vocab_size, self.tokenize)
+        params = with_max_tokens(self.spec, len(ids), params)     # None: up to max length
         strategy = self.stage.strategy(params.decoding, params.decoding_params)
         check_decoder(strategy, self.spec, "decoding")
         if isinstance(strategy, CanvasDecoder):

@@ -4,6 +4,7 @@ length check, and each request's random stream (on the device where decisions ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -13,6 +14,7 @@ from cover_vllm.engine.canvas_decide import check_canvas_length
 from cover_vllm.logger import init_logger
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.text_input import check_text
 
 logger = init_logger(__name__)
 
@@ -55,12 +57,17 @@ def log_trust_remote_code(family: str) -> None:
 
 
 def prompt_ids(prompt, vocab_size: int, tokenize) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text, ids or {"prompt_token_ids": ids};
+    """(text or None, token ids) of a prompt given as text, ids, {"prompt_token_ids": ids} or
+    {"prompt": text} (TokensPrompt / TextPrompt);
     ValueError / TypeError naming what is wrong."""
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+        prompt = prompt["prompt"]           # a TextPrompt (cover_vllm/inputs.py)
+        if not isinstance(prompt, str):
+            raise TypeError("a TextPrompt's 'prompt' must be a string")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        return prompt, tokenize(prompt)
+        return prompt, tokenize(check_text(prompt, "prompt"))
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
             raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
@@ -75,6 +82,22 @@ def prompt_ids(prompt, vocab_size: int, tokenize) -> tuple[str | None, list[int]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside [0, {vocab_size})")
     return None, list(prompt)
+
+
+def with_max_tokens(spec: ModelSpec, prompt_len: int, params: SamplingParams) -> SamplingParams:
+    """`params` with max_tokens=None (vLLM's "up to the model's length") made the room left
+    after the prompt: whole blocks / canvases on block-causal and uniform-state models; 1 when
+    there is none, so that check_length names the prompt."""
+    if params.max_tokens is not None:
+        return params
+    kind, limit = spec.attention, spec.max_model_len
+    if spec.uniform_state:
+        block = spec.default_block_length
+        room = (limit - prompt_len) // block * block
+    else:
+        block = (params.block_length or kind.block_size) if kind.is_block_causal else 1
+        room = limit // block * block - prompt_len
+    return dataclasses.replace(params, max_tokens=max(1, room))
 
 
 def check_length(spec: ModelSpec, config: EngineConfig, prompt_len: int,

@@ -350,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_local_device(args: argparse.Namespace) -> None:
+    """A --device this process cannot use is a one-line error before anything loads; unless
+    the engines run as Ray actors (data parallelism, --ray-address, the ray executor), which
+    check their own machine's devices."""
+    from cover_vllm.device_check import check_device
+
+    device = getattr(args, "device", None)
+    on_ray = (getattr(args, "ray_address", None) or (getattr(args, "data_parallel_size", 1)
+              or 1) > 1 or getattr(args, "distributed_executor_backend", None) == "ray")
+    if device is not None and not on_ray:
+        check_device(device, "--device")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["lm-eval"]:          # lm-eval's own command line, our model registered
@@ -358,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        _check_local_device(args)
         args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"cover-vllm: error: {exc}", file=sys.stderr)

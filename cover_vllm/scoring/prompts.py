@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cover_vllm.text_input import check_text
+
 ScorePair = tuple[list[int], list[int]]
 
 
@@ -14,6 +16,8 @@ def encode_pair(tokenizer, context: str, continuation: str) -> ScorePair:
     context's own ids (so a merge across the boundary is attributed to the continuation). Both
     are encoded as the official code calls its tokenizer, with the tokenizer's default special
     tokens (a BOS, for tokenizers that add one, starts the context)."""
+    check_text(context, "context")
+    check_text(continuation, "continuation")
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation

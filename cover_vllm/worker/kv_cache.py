@@ -14,6 +14,7 @@ ring_len`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,31 @@ MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence a
 SCRATCH_PER_SEQ = 16        # scratch slots per running sequence: COVER's default most seeds a
                             # step (`k_max`); a step with more overrides writes them the slow way
 SCRATCH_SHARE = 8           # the scratch takes at most 1/8 of the KV budget
+
+
+def check_kv_budget(budget: int | None, plan: Any, max_model_len: int) -> None:
+    """A given `budget` (kv_cache_memory_bytes; None: sized by the engine) is refused, with the
+    numbers, when it holds less than one page (no request could ever run); logged when the
+    pages of `plan` (worker/memory.py MemoryPlan) cannot hold one request of `max_model_len`
+    tokens (longer requests are then refused one by one, as they come)."""
+    if budget is None:
+        return
+    page_size, num_pages = plan.page_size, plan.num_pages
+    page_bytes = plan.kv_bytes_per_token * page_size
+    if budget < page_bytes:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV page: one page of "
+                         f"{page_size} tokens takes {page_bytes} bytes, and a request of "
+                         f"max_model_len ({max_model_len} tokens) needs "
+                         f"{-(-max_model_len // page_size) * page_bytes}; raise it (or None: "
+                         "sized from memory_utilization)")
+    if num_pages * page_size < max_model_len:
+        from cover_vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "kv_cache_memory_bytes=%d holds %d pages = %d tokens, less than one request of "
+            "max_model_len (%d tokens, %d bytes): longer requests are refused", budget,
+            num_pages, num_pages * page_size, max_model_len,
+            -(-max_model_len // page_size) * page_bytes)
 
 
 @dataclass(frozen=True)

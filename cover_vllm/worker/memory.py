@@ -176,7 +176,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     """Size the KV pool for `model` (the unsharded meta model in its final dtype): the budget
     (the user's `kv_cache_memory_bytes`, else `default_kv_budget` lowered to what the memory
     left after the weights allows) holds the pages, rings and scratch slots together."""
-    from cover_vllm.worker.kv_cache import KVLayout
+    from cover_vllm.worker.kv_cache import KVLayout, check_kv_budget
 
     n = config.tensor_parallel_size
     dtype = next(model.parameters()).dtype
@@ -214,5 +214,7 @@ def plan_memory(config: EngineConfig, spec: ModelSpec, model: torch.nn.Module) -
     kv = layout.plan(budget, config.page_size, dtype, config.max_num_seqs, canvas,
                      wants_scratch(config.decoding))
     kv_bytes = kv.num_pages * page_bytes + kv.num_rings * ring_bytes + kv.num_scratch * per_token
-    return MemoryPlan(weights, kv_bytes, kv.num_pages, config.page_size, canvas, capacity,
+    plan = MemoryPlan(weights, kv_bytes, kv.num_pages, config.page_size, canvas, capacity,
                       per_token, kv.num_rings, layout.ring_len, budget, kv.num_scratch)
+    check_kv_budget(config.kv_cache_memory_bytes, plan, spec.max_model_len)   # budget 10: no page
+    return plan

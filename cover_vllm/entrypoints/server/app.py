@@ -33,7 +33,8 @@ from cover_vllm.engine.engine import Engine
 from cover_vllm.entrypoints.server import scoring, serving
 from cover_vllm.entrypoints.server.client import EngineClient
 from cover_vllm.entrypoints.server.engine_loop import EngineLoop, EngineRequestError
-from cover_vllm.entrypoints.server.errors import APIError, from_validation_error
+from cover_vllm.entrypoints.server.errors import (APIError, InternalErrors,
+                                                  from_validation_error)
 from cover_vllm.entrypoints.server.metrics import ServerMetrics
 from cover_vllm.entrypoints.server.protocol import ChatRequest, CompletionRequest
 from cover_vllm.entrypoints.server.structured import unknown_field_hint
@@ -50,7 +51,12 @@ def _reject_constant(name: str) -> Any:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past `limit` bytes, 400 for non-UTF-8 or invalid JSON."""
+    """The body as a JSON object: 400 unless sent as application/json (vLLM's rule), 413 past
+    `limit` bytes, 400 for non-UTF-8 or invalid JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError("Unsupported Media Type: Only 'application/json' is allowed (got "
+                       f"Content-Type {media_type or 'none'!r})", code="unsupported_media_type")
     too_big = APIError(f"request body exceeds the limit of {limit} bytes", status=413,
                        code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -117,7 +123,9 @@ async def completions(request: Request):
     ctx = _ctx(request)
     serving.check_model(ctx, req.model)
     scoring.check_scoring_fields(req)
-    prompts = [serving.tokenize(ctx, p) for p in req.prompt]
+    many = len(req.prompt) > 1
+    prompts = [serving.tokenize(ctx, p, f"prompt[{i}]" if many else "prompt")
+               for i, p in enumerate(req.prompt)]
     if req.echo:                # echo: the prompt's values (scoring.py)
         return await scoring.create_echo_completion(ctx, request, req, prompts)
     return await serving.create_completion(ctx, request, req, prompts)
@@ -127,6 +135,13 @@ async def chat_completions(request: Request):
     _check_key(request)
     req = _parse(ChatRequest, await read_json(request, request.app.state.max_body_bytes))
     return await serving.create_chat_completion(_ctx(request), request, req)
+
+
+async def version(request: Request) -> dict:
+    """vLLM's GET /version: the package version."""
+    from cover_vllm import __version__
+
+    return {"version": __version__}
 
 
 async def health(request: Request) -> Response:
@@ -168,15 +183,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(f"invalid request: {first.get('msg', exc)}",
                                         param=param))
 
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(f"internal server error: {type(exc).__name__}",
-                                        status=500, type="server_error"))
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(InternalErrors)    # any other exception: a 500, the connection kept
 
 
 def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
@@ -245,6 +255,7 @@ def build_app(engine: Engine | EngineConfig, model_name: str | None = None,
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app
 

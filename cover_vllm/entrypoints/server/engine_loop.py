@@ -10,6 +10,7 @@ on per-request asyncio queues (`RequestStream`); the driver's thread hands them 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from cover_vllm.engine.driver import EngineDriver, EngineRequestError, Submission
 from cover_vllm.engine.engine import Engine
@@ -27,6 +28,8 @@ class RequestStream:
         self.submission = submission
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None    # its first output with generated tokens
 
     @property
     def request_id(self) -> str:
@@ -112,6 +115,11 @@ class EngineLoop:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
+        if stream.first_token_at is None and isinstance(out, RequestOutput) and (
+                out.finished or any(c.token_ids for c in out.outputs)):
+            stream.first_token_at = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.on_first_token(stream.first_token_at - stream.submitted_at)
         if out.finished:
             del self._streams[out.request_id]
             if self.metrics is not None:

@@ -7,10 +7,13 @@ name. Not a place for validation rules (those live in protocol.py).
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Callable
+from typing import Any, Callable
 
 from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
 
 # Fields an engine or SamplingParams message may name, most specific first.
 _FIELDS = ("chat_template_kwargs", "continue_final_message", "min_tokens", "min_p",
@@ -92,3 +95,36 @@ def from_value_error(exc: Exception, default_param: str | None = None) -> APIErr
 def model_not_found(name: str) -> APIError:
     return APIError(f"The model `{name}` does not exist.", param="model", status=404,
                     code="model_not_found")
+
+
+class InternalErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 with an OpenAI error body,
+    and the keep-alive connection serves the next request. (Starlette's outermost
+    ServerErrorMiddleware answers such an exception and then raises it again, and uvicorn closes
+    the connection of an app that raised: the client's next request met a reset.) A response
+    already under way cannot be replaced; that exception goes on up."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error on %s", scope.get("path"))
+            from fastapi.responses import JSONResponse
+
+            body = APIError(f"internal server error: {type(exc).__name__}", status=500,
+                            type="server_error").body()
+            await JSONResponse(body, status_code=500)(scope, receive, send)

@@ -22,6 +22,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, ProcessCollect
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cover_vllm.entrypoints.server.vllm_metrics import VllmMetrics
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.scoring.params import LoglikelihoodOutput
 
@@ -119,6 +120,7 @@ class ServerMetrics:
                                     "together within the KV budget", ["part"], registry=r)
         self.info = Gauge(PREFIX + "model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
+        self.vllm = VllmMetrics(model_name, r)       # vLLM's names for dashboards built for it
         r.register(_RatioCollector(self))
         ProcessCollector(registry=r)      # process_resident_memory_bytes, ... (Linux /proc)
 
@@ -134,8 +136,12 @@ class ServerMetrics:
             self.nfe.inc(m.nfe)
             return
         self.requests.labels(outcome=out.outputs[0].finish_reason or "unknown").inc()
+        generated = sum(len(c.token_ids) for c in out.outputs)      # all n
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))   # all n
+        self.generation_tokens.inc(generated)
+        self.vllm.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.vllm.generation_tokens.inc(generated)
+        self.vllm.e2e.observe(m.latency_s)
         self.decoded_tokens.inc(m.decoded_tokens)
         self.nfe.inc(m.nfe)
         self.nfe_sum += m.nfe
@@ -151,9 +157,15 @@ class ServerMetrics:
         """A request that ended without output: 'abort' (client gone) or 'error'."""
         self.requests.labels(outcome=outcome).inc()
 
+    def on_first_token(self, seconds: float) -> None:
+        """A request's first output with generated tokens, `seconds` after submission."""
+        self.vllm.ttft.observe(seconds)
+
     def publish(self, running: int, waiting: int, pages_used: int, pages_total: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+        self.vllm.running.set(running)
+        self.vllm.waiting.set(waiting)
         self.kv_pages_used.set(pages_used)
         self.kv_pages_total.set(pages_total)
 

@@ -32,6 +32,10 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_TOKENS = 64           # SamplingParams' default
+# OpenAI chat fields clients send by default that cannot change a diffusion answer: accepted and
+# ignored, logged once per server (vLLM ignores them too); `user` is SamplingFields'
+IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "reasoning_effort",
+                       "parallel_tool_calls", "user", "prediction")
 VLLM_SAMPLING_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
                         "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
 
@@ -102,6 +106,13 @@ class SamplingFields(_Strict):
             raise ValueError("stop strings must be non-empty")
         if len(items) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):     # vLLM's rule
+            raise ValueError("stream_options can only be given with stream=true")
         return value
 
     @field_validator("n")
@@ -262,6 +273,30 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: accepted and ignored (IGNORED_CHAT_FIELDS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: dict[str, Any] | None = None
+    # tools reach the chat template (the model sees them); the answer stays text
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise ValueError(
+                f"tool_choice {value!r} is not supported: no tool-call parser reads calls out "
+                "of the output, so only \"none\" is honoured (the tools still reach the chat "
+                "template and the answer is text)")
+        return value
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED_CHAT_FIELDS this request sent."""
+        return [k for k in IGNORED_CHAT_FIELDS if getattr(self, k) is not None]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -284,5 +319,8 @@ class ChatRequest(SamplingFields):
     def template_options(self, chat_template: str | None) -> ChatTemplateOptions:
         """How this request's messages become its prompt, under the server's template
         (ValueError naming the field for a bad combination)."""
+        kwargs = self.chat_template_kwargs
+        if self.tools is not None:
+            kwargs = {**(kwargs or {}), "tools": self.tools}
         return ChatTemplateOptions(chat_template, self.add_generation_prompt,
-                                   self.continue_final_message, self.chat_template_kwargs)
+                                   self.continue_final_message, kwargs)

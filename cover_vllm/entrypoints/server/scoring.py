@@ -34,6 +34,7 @@ from cover_vllm.entrypoints.server.serving import (ServingContext, collect, samp
                                                    submit, submit_all)
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scoring.prompts import encode_pair
+from cover_vllm.text_input import check_text
 
 SCORING_FIELDS = ("continuation", "mc_num", "mc_batch_size")
 
@@ -81,6 +82,11 @@ def _pairs(ctx: ServingContext, req: CompletionRequest,
     raw = req.prompt
     pairs = []
     for i, (ids, c) in enumerate(zip(prompts, conts)):
+        if isinstance(c, str):
+            try:
+                check_text(c, "continuation")
+            except ValueError as exc:
+                raise APIError(str(exc), param="continuation", code="invalid_value") from exc
         text = raw[i] if isinstance(raw, list) and isinstance(raw[i], str) else None
         if isinstance(c, str) and text is not None and ctx.tokenizer is not None:
             pairs.append(encode_pair(ctx.tokenizer, text, c))

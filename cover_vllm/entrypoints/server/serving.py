@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 import time
 import uuid
@@ -32,6 +33,9 @@ from cover_vllm.entrypoints.server.structured import as_sent
 from cover_vllm.outputs import RequestOutput
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params, strategy_class
+from cover_vllm.text_input import check_text
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +51,7 @@ class ServingContext:
     created: int
     seeds: random.Random           # server-drawn seeds for requests that give none
     chat_template: str | None = None   # `serve --chat-template` (None: the tokenizer's)
+    ignored_logged: set[str] = dataclasses.field(default_factory=set)  # logged once each
 
 
 def check_model(ctx: ServingContext, name: str | None) -> None:
@@ -54,9 +59,15 @@ def check_model(ctx: ServingContext, name: str | None) -> None:
         raise model_not_found(name)
 
 
-def tokenize(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+def tokenize(ctx: ServingContext, prompt: str | list[int], where: str = "prompt") -> list[int]:
+    """A prompt's ids; a 400 naming `prompt` (`where` says which one of a list) for text that
+    is not valid Unicode or has no tokenizer."""
     if not isinstance(prompt, str):
         return list(prompt)
+    try:
+        check_text(prompt, where)
+    except ValueError as exc:
+        raise APIError(str(exc), param="prompt", code="invalid_value") from exc
     if ctx.tokenizer is None:
         raise APIError("this model has no tokenizer: send the prompt as token ids",
                        param="prompt", code="no_tokenizer")
@@ -76,11 +87,34 @@ def chat_prompt(ctx: ServingContext, req: ChatRequest) -> list[int]:
         options = req.template_options(ctx.chat_template)
     except ValueError as exc:
         raise from_value_error(exc, default_param="continue_final_message") from exc
+    if req.tools is not None:
+        check_tools_template(options.chat_template or getattr(ctx.tokenizer, "chat_template",
+                                                              None))
     try:
         return apply_chat_template(ctx.tokenizer, req.conversation(), options)
     except Exception as exc:      # jinja errors, a template that refuses a role, ...
         raise APIError(f"the chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from exc
+
+
+def check_tools_template(template: str | None) -> None:
+    """A 400 naming `tools` when the chat template would not show them to the model."""
+    from cover_vllm.chat import template_reads
+
+    if not template or not template_reads(template, "tools"):
+        raise APIError("tools are given to the chat template, and this model's template never "
+                       "reads `tools`, so the model would not see them; serve with a "
+                       "--chat-template that renders tools, or leave them out", param="tools",
+                       code="invalid_value")
+
+
+def log_ignored(ctx: ServingContext, req: ChatRequest) -> None:
+    """One log line per server for each OpenAI field accepted and ignored."""
+    for name in req.ignored_fields():
+        if name not in ctx.ignored_logged:
+            ctx.ignored_logged.add(name)
+            logger.info("the chat field %r is accepted and ignored (it does not change a "
+                        "diffusion model's answer); logged once", name)
 
 
 def check_length(ctx: ServingContext, prompts: list[list[int]], max_tokens: int,
@@ -286,4 +320,5 @@ async def create_completion(ctx: ServingContext, request: Request, req: Completi
 
 async def create_chat_completion(ctx: ServingContext, request: Request, req: ChatRequest):
     check_model(ctx, req.model)
+    log_ignored(ctx, req)
     return await _respond(ctx, request, req, [chat_prompt(ctx, req)], chat=True)
