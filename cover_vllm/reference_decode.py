@@ -26,7 +26,7 @@ def num_transfer_tokens(num_masked: int, steps: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
-def _check_args(gen_length: int, block_length: int, steps: int) -> int:
+def check_schedule(gen_length: int, block_length: int, steps: int) -> int:
     if gen_length <= 0 or block_length <= 0 or steps <= 0:
         raise ValueError(f"gen_length={gen_length}, block_length={block_length} and "
                          f"steps={steps} must all be positive")
@@ -40,6 +40,19 @@ def _check_args(gen_length: int, block_length: int, steps: int) -> int:
     return num_blocks
 
 
+def commit_low_confidence(logits: torch.Tensor, block: torch.Tensor, mask_id: int,
+                          count: int) -> None:
+    """One step's decision on a block: x0 = argmax of `logits` [n, V] (row j predicts block[j]),
+    scored by the float32 softmax probability of that argmax; the `count` highest-scoring
+    still-masked slots of `block` [n] (a view of the canvas) take their x0, in place."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    confidence, x0 = probs.max(dim=-1)                                 # [n], [n]
+    confidence = torch.where(block == mask_id, confidence,
+                             torch.full_like(confidence, -float("inf")))
+    chosen = torch.topk(confidence, count).indices
+    block[chosen] = x0[chosen]
+
+
 @torch.no_grad()
 def reference_generate(model: torch.nn.Module, prompt_ids: list[int], gen_length: int,
                        block_length: int, steps: int, mask_id: int) -> list[int]:
@@ -47,7 +60,7 @@ def reference_generate(model: torch.nn.Module, prompt_ids: list[int], gen_length
 
     `model(input_ids[1, L])` must return logits [1, L, V] (no logit shift: row j predicts j).
     """
-    num_blocks = _check_args(gen_length, block_length, steps)
+    num_blocks = check_schedule(gen_length, block_length, steps)
     steps_per_block = steps // num_blocks
     device = next(model.parameters()).device
     prompt_len = len(prompt_ids)
@@ -61,12 +74,5 @@ def reference_generate(model: torch.nn.Module, prompt_ids: list[int], gen_length
             if count == 0:
                 continue
             logits = model(canvas)[0]                                  # [L, V]
-            probs = torch.softmax(logits.float(), dim=-1)
-            confidence, x0 = probs.max(dim=-1)                         # [L], [L]
-            candidate = torch.zeros_like(confidence, dtype=torch.bool)
-            candidate[start:end] = canvas[0, start:end] == mask_id
-            confidence = torch.where(candidate, confidence,
-                                     torch.full_like(confidence, -float("inf")))
-            chosen = torch.topk(confidence, count).indices
-            canvas[0, chosen] = x0[chosen]
+            commit_low_confidence(logits[start:end], canvas[0, start:end], mask_id, count)
     return canvas[0, prompt_len:].tolist()

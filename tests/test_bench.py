@@ -40,7 +40,11 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
     for dtype, ref in report["reference"].items():
         assert ref["dtype"] == dtype and ref["tokens_per_s"] > 0 and ref["gflops_per_token"] > 0
         assert 0 < ref["mfu"] < 2
+        cached = report["cache_reference"][dtype]["dual"]   # Fast-dLLM's dual loop, timed too
+        assert cached["tokens_per_s"] > 0 and cached["nfe"] > 0
     rows = report["results"]
+    for r in rows:        # the cache rows against the loop of their own mode, the others none
+        assert (r["speedup_vs_cache_reference"] is None) == (r["kv_cache"] == "none")
     assert [(r["dtype"], r["decoding"], r["kv_cache"]) for r in rows] == [
         (dtype, decoding, kv) for dtype in ("float32", "bfloat16")
         for decoding in ("low_confidence", "cover") for kv in ("none", "dual")]
@@ -65,7 +69,7 @@ def test_bench_throughput_writes_table_json_markdown_and_plot(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| cover | dual | 2 |" in table and "flop_ratio_vs_reference" in table
     markdown = paths["md"].read_text()
-    assert "reference loop" in markdown and "| low_confidence | none | 2 |" in markdown
+    assert "reference loop" in markdown and "dual cache loop" in markdown and "| low_confidence | none | 2 |" in markdown
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

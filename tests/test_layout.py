@@ -81,7 +81,11 @@ def reference_metadata(seqs: list[SeqLayout],
         write_all=num_written == offset, dense_queries=offset == b * q_max,
         all_keys_valid=bool(key_valid.all()) and not bounded,
         row_limit=torch.cat(limits) if bounded else None, store_slots=store_slots,
-        fresh_key_slots=fresh_key_slots)
+        fresh_key_slots=fresh_key_slots,
+        # every key column is the window token written to its slot, in order
+        keys_are_window=(not overrides and ex_out.numel() == 0 and num_written == offset
+                         == b * k_max and bool(key_valid.all()) and not bounded
+                         and torch.equal(torch.cat(write_slots), key_slots.reshape(-1))))
 
 
 def _reference_extra(seqs, key_valid, offset):

@@ -33,7 +33,7 @@ LAYERS = [
                     "cover_vllm.sampling_params"]),
     ("scheduler", ["cover_vllm.scheduler"]),
     ("worker", ["cover_vllm.worker", "cover_vllm.distributed", "cover_vllm.executor",
-                "cover_vllm.reference_decode"]),
+                "cover_vllm.reference_decode", "cover_vllm.reference_cache_decode"]),
     ("engine", ["cover_vllm.engine"]),
     ("offline API", ["cover_vllm.llm", "cover_vllm.__init__"]),
     ("applications", ["cover_vllm.eval", "cover_vllm.benchmarks", "cover_vllm.entrypoints.server",

@@ -105,6 +105,8 @@ class AttentionMetadata:
                                              # no scratch; write `write_index` at `write_slots`)
     fresh_key_slots: torch.Tensor | None = None  # [B, Kmax + Smax] `key_slots`, then the scratch
                                                  # slots of `ov_fresh` (pad -> 0, masked out)
+    keys_are_window: bool = False  # every window is its whole canvas in order, no override or
+                                   # extra row: the keys are the fresh K/V (no gather needed)
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
@@ -258,6 +260,20 @@ def gather_kv(cache, slots: torch.Tensor,
     return tuple(gather_heads(c, slots, flat) for c in cache)
 
 
+def window_kv(kv: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
+              shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values [B, Hkv, K, d] when they are the window's own fresh K/V in canvas
+    order (`AttentionMetadata.keys_are_window`, shape = [B, K]): views of side-by-side `kv`
+    [B * K, 2 Hkv, d], or of `k` and `v` [B * K, Hkv, d]; the values `gather_kv` would read
+    back from the cache just written, without the gather."""
+    b, n = shape
+    if kv is not None:
+        heads = kv.shape[1] // 2
+        return (heads_first(kv, b, n, heads),
+                heads_first(kv, b, n, heads, offset=heads * kv.stride(1)))
+    return heads_first(k, b, n), heads_first(v, b, n)
+
+
 class AttentionBackend(ABC):
     """Writes the window's fresh K/V in place, then attends over each sequence's paged canvas;
     extra rows (never written) attend separately under their allowed mask."""
@@ -290,10 +306,13 @@ class AttentionBackend(ABC):
             k, v = kv_halves(kv) if self._reads_fresh_kv(meta) else (None, None)
         t = meta.num_window_tokens
         qw, kw, vw = (q, k, v) if meta.num_extra == 0 else (q[:t], k[:t], v[:t])   # window rows
-        slots, flat = meta.key_slots, meta.flat_key_slots
-        if meta.fresh_key_slots is not None and self.fresh_columns():
-            slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
-        keys, values = gather_kv(cache, slots, flat)     # [B, Hkv, Kmax (+ Smax), d]
+        if meta.keys_are_window and cache[0].dtype == q.dtype:     # what the gather would read
+            keys, values = window_kv(kv, k, v, meta.key_slots.shape)
+        else:
+            slots, flat = meta.key_slots, meta.flat_key_slots
+            if meta.fresh_key_slots is not None and self.fresh_columns():
+                slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
+            keys, values = gather_kv(cache, slots, flat)     # [B, Hkv, Kmax (+ Smax), d]
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
         else:

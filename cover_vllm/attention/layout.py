@@ -68,8 +68,18 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
         ex_index=ex_index, ex_out=ex_out, ex_allowed=ex_allowed,
         write_all=int(write_index.numel()) == total, dense_queries=total == b * q_max,
         all_keys_valid=row_limit is None and bool(key_valid.all()),
-        row_limit=row_limit, store_slots=store_slots, fresh_key_slots=fresh_key_slots)
+        row_limit=row_limit, store_slots=store_slots, fresh_key_slots=fresh_key_slots,
+        keys_are_window=row_limit is None and _keys_are_window(seqs, lengths))
     return move_to(device, meta)[0]
+
+
+def _keys_are_window(seqs: list[SeqLayout], lengths: list[int]) -> bool:
+    """Whether every sequence's window is its whole canvas, in order, with nothing overridden,
+    hidden or extra, and all canvases have one length: the keys are the window's own K/V."""
+    return len(set(lengths)) == 1 and all(
+        s.window_start == 0 and s.window_len == length and s.positions is None
+        and not s.override and s.hidden_keys is None and s.extra_allowed is None
+        for s, length in zip(seqs, lengths))
 
 
 def move_to(device: torch.device | str, meta: AttentionMetadata,

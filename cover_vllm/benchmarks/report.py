@@ -8,6 +8,7 @@ from cover_vllm.benchmarks.machine import PEAK_GEMM_SIZE
 COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size", "{}"), ("cache_refresh", "{}"),
            ("num_prompts", "{}"),
            ("tokens_per_s", "{:.1f}"), ("speedup_vs_reference", "{:.2f}x"),
+           ("speedup_vs_cache_reference", "{:.2f}x"),
            ("requests_per_s", "{:.2f}"), ("accuracy", "{:.1%}"), ("nfe_per_token", "{:.3f}"),
            ("tokens_per_step", "{:.2f}"), ("latency_mean_s", "{:.2f}"),
            ("latency_p50_s", "{:.2f}"), ("latency_p99_s", "{:.2f}"), ("remasks", "{:.2f}"),
@@ -24,6 +25,15 @@ COLUMNS = [("dtype", "{}"), ("decoding", "{}"), ("kv_cache", "{}"), ("batch_size
 # shown only when some row has them: CUDA's device time, --count-ops' counts
 OPTIONAL = {"device_ms_per_step", "device_ops_per_step", "launches_per_step",
             "host_ops_per_step", "forward_ops_per_step"}
+
+
+def ratio_text(row) -> str:
+    """' (Ax the dense loop, Bx the dual cache loop)' of a ThroughputRow, the parts it has."""
+    parts = ([] if row.speedup_vs_reference is None else
+             [f"{row.speedup_vs_reference:.2f}x the dense loop"])
+    if row.speedup_vs_cache_reference is not None:
+        parts.append(f"{row.speedup_vs_cache_reference:.2f}x the {row.kv_cache} cache loop")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def rates_text(row) -> str:
@@ -83,6 +93,11 @@ def format_markdown(report: dict, command: str) -> str:
                  f"{ref['gflops_per_token']:.3g} GFLOP/token, MFU {ref['mfu']:.1%} "
                  f"(bound {ref['mfu_bound']:.1%})"
                  for name, ref in refs] or ["reference loop: not run"]
+    ref_lines += [f"{mode} cache loop ({name}; Fast-dLLM's, batch 1, 1 token/step): "
+                  f"{ref['tokens_per_s']:.1f} tok/s over {ref['requests']} request(s), "
+                  f"NFE {ref['nfe']:.0f}"
+                  for name, modes in report.get("cache_reference", {}).items()
+                  for mode, ref in modes.items() if ref]
     if refs:
         ref_lines.append("(`flop_ratio_vs_reference` is the speed-up a row would show at the "
                          "reference's MFU; MFU is against the peak of the row's dtype)")

@@ -31,17 +31,17 @@ from typing import NamedTuple
 
 import torch
 
-from cover_vllm.benchmarks.machine import (dense_forward_flops, dtype_name,
+from cover_vllm.benchmarks.machine import (dtype_name,
                                            forward_weight_bytes, machine_info, mfu_bound,
                                            pin_threads, step_flops, utilization)
-from cover_vllm.benchmarks.report import device_text, rates_text, spread_text, step_text
+from cover_vllm.benchmarks.reference_runs import time_references
+from cover_vllm.benchmarks.report import device_text, rates_text, ratio_text, spread_text, step_text
 from cover_vllm.benchmarks.step_ops import count_row_ops, decide_ms_per_step
 from cover_vllm.llm import LLM
 from cover_vllm.flops import flops_per_token
 from cover_vllm.models.builtin import resolve_model
 from cover_vllm.models.loader import resolve_dtype
 from cover_vllm.models.spec import ModelSpec
-from cover_vllm.reference_decode import reference_generate
 from cover_vllm.sampling_params import SamplingParams
 
 
@@ -95,6 +95,8 @@ class ThroughputRow:
     mfu: float | None                  # model FLOPs / time / measured matmul peak in `dtype`
                                        # (None on the shapes-only "meta" device)
     speedup_vs_reference: float | None
+    speedup_vs_cache_reference: float | None   # prefix/dual rows refreshed per block: against
+                                               # Fast-dLLM's loop of the same cache mode
     seconds: float
     gflops_per_token: float            # model FLOPs spent per useful token
     flop_ratio_vs_reference: float | None   # reference GFLOP/token over this row's: the
@@ -204,36 +206,6 @@ class Workload:
         return len(ids) if cut is None else cut + 1
 
 
-def run_reference(llm: LLM, work: Workload, count: int, peak_gflops: float,
-                  read_gbps: float) -> dict | None:
-    """tokens/s of the dense reference loop (LLaDA semantics, 1 token/step) on `count` prompts."""
-    model = llm.engine.executor.model
-    if count <= 0 or model.spec.logit_shift != 0 or model.spec.attention.is_block_causal \
-            or model.spec.uniform_state:
-        return None                      # the reference loop is LLaDA's (no logit shift, full
-                                         # attention, [MASK])
-    prompts = [p["prompt_token_ids"] for p in work.prompts[:count]]
-    tokens, start = 0, time.perf_counter()
-    for ids in prompts:
-        out = reference_generate(model, ids, work.output_len, work.block_length,
-                                 work.output_len, model.spec.mask_token_id)
-        tokens += work.useful_tokens(out)
-    seconds = time.perf_counter() - start
-    per_token = llm.engine.flop_model.params_per_token      # whole model, even if packed
-    flops = sum(work.output_len * dense_forward_flops(model.dims, per_token,
-                                                      len(ids) + work.output_len)
-                for ids in prompts)             # one full forward per step, output_len steps
-    dtype = next(model.parameters()).dtype
-    streamed = work.output_len * len(prompts) * forward_weight_bytes(
-        llm.engine.flop_model, dtype, llm.engine.quantization)
-    return {"dtype": dtype_name(dtype),
-            "tokens_per_s": tokens / seconds, "requests": len(prompts), "seconds": seconds,
-            "tokens_per_step": 1.0, "gflops_per_token": flops / tokens / 1e9,
-            "mfu": utilization(flops / seconds / 1e9, peak_gflops,
-                               f"reference loop ({dtype_name(dtype)}) MFU"),
-            "mfu_bound": mfu_bound(flops, streamed, peak_gflops, read_gbps)}
-
-
 class _Run(NamedTuple):
     """One timed run of a combination."""
 
@@ -301,14 +273,7 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                       device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
                       enforce_eager=spec.enforce_eager)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
-            if name not in report["reference"] and spec.reference_prompts and \
-                    spec.device != "meta":             # a shapes-only model yields no tokens
-                ref = run_reference(llm, work, spec.reference_prompts, peak,
-                                    machine["read_gbps"])
-                report["reference"][name] = ref
-                if ref:
-                    log(f"  reference loop ({name}): {ref['tokens_per_s']:.1f} tok/s  "
-                        f"MFU {ref['mfu']:.0%} (bound {ref['mfu_bound']:.0%})")
+            time_references(llm, work, spec, report, log)
             _run_batch(spec, llm, work, name, peak, report, log)
     return report
 
@@ -327,6 +292,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
     def record(combo: tuple[str, str, str], measured: list[_Run]) -> None:
         """Append and log the row of one combination from its runs (the median run's times)."""
         decoding, kv, refresh = combo
+        cached = report.get("cache_reference", {}).get(dtype, {}).get(kv)
         median = statistics.median_low(run.seconds for run in measured)
         run = next(run for run in measured if run.seconds == median)
         outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = run[:8]
@@ -351,6 +317,8 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
             mfu=None if spec.device == "meta" else utilization(
                 flops / seconds / 1e9, peak, f"{dtype} {decoding} {kv} bs={bs} MFU"),
             speedup_vs_reference=(tokens / seconds / ref["tokens_per_s"]) if ref else None,
+            speedup_vs_cache_reference=(tokens / seconds / cached["tokens_per_s"]
+                                        if refresh == "block" and cached else None),
             seconds=seconds, gflops_per_token=gflops,
             flop_ratio_vs_reference=(ref["gflops_per_token"] / gflops) if ref else None,
             refreshes=statistics.mean(m.refreshes for m in ms),
@@ -369,7 +337,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
                   f"  steps/canvas {row.canvas_steps:.1f}  accepted/step "
                   f"{row.accepted_per_step:.2f}  encoder FLOPs {row.encoder_flop_share:.1%}")
         log(f"  {dtype:>8} {decoding:>15} {kv:>6} {refresh:>10} bs={bs:<3} "
-            f"{row.tokens_per_s:8.1f} tok/s  {rates_text(row)}{canvas}  refreshes "
+            f"{row.tokens_per_s:8.1f} tok/s{ratio_text(row)}  {rates_text(row)}{canvas}  refreshes "
             f"{row.refreshes:.2f}  NFE/token {row.nfe_per_token:.3f}  overhead "
             f"{overhead:.0%}  {step_text(row)}, {host_bytes / 1e3:.1f} kB/step to "
             f"the host{device_text(row)}  ({seconds:.1f}s{spread_text(row)})")

@@ -240,7 +240,7 @@ class Scheduler:
                         override=[(s, max(s - self.logit_shift, 0)) for s in seeds],
                         cfg_scale=plan.cfg_scale, want_stats=plan.want_stats,
                         extra=plan.extra, embed_edit=plan.embed_edit,
-                        causal_block=req.causal_block)
+                        causal_block=req.causal_block, masked_rows_only=plan.masked_rows_only)
         if ids is None:
             pending[-1] = (item, *pending[-1])
         return item
@@ -281,7 +281,7 @@ class Scheduler:
                         want_stats=plan.want_stats,
                         want_mass=req.kv_cache != "none" and req.refresh.policy.wants_mass,
                         extra=plan.extra, embed_edit=plan.embed_edit,
-                        window_positions=positions)
+                        window_positions=positions, masked_rows_only=plan.masked_rows_only)
         if ids is None:
             pending[-1] = (item, *pending[-1])
         return item

@@ -24,6 +24,7 @@ from cover_vllm.worker.cuda_graphs import GraphRunner
 from cover_vllm.worker.embed_edits import apply_embed_edits
 from cover_vllm.worker.graph_backends import CaptureBackend
 from cover_vllm.worker.kv_cache import KVCache
+from cover_vllm.worker.logit_rows import read_rows, spread_rows
 from cover_vllm.worker.scoring import score_forward
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_flat
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.model, self.backend, self.cache = model, backend, cache
         self.canvas = canvas        # uniform-state canvases (worker/canvas_runner.py)
         self.shift = model.spec.logit_shift
+        self.masked_logits = True   # the LM head only on rows a decision reads (logit_rows.py)
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
         pad_slot = getattr(cache, "pad_slot", None)
@@ -72,6 +74,9 @@ class ModelRunner:
                  self.graphs.prepare(lay.seqs, host_ids, host_positions, scratch))
         extra_rows = [r for r in lay.extra_rows if r is not None]
         host_rows = torch.cat(lay.rows + extra_rows) if out.items else None
+        keep = self._read_rows(out, lay, host_ids, extra_rows)   # None: every view row
+        if keep is not None:
+            host_rows, keep = host_rows[keep], keep.nonzero().flatten().to(device)
         if graph is None:                               # eager: one copy to the device
             meta, (ids, positions, logit_rows) = move_to(
                 device, build_metadata(lay.seqs, "cpu", scratch), host_ids, host_positions,
@@ -102,6 +107,8 @@ class ModelRunner:
                                      host_bytes=self.transfer.bytes - moved)
         logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         sizes = [r.numel() for r in lay.rows + extra_rows]
+        if keep is not None:
+            logits = spread_rows(logits, keep, sum(sizes))
         if any(valid is not None for valid in lay.row_valid):
             logits, sizes = self._full_views(logits, lay)
         per_canvas = list(logits.float().split(sizes))
@@ -126,6 +133,18 @@ class ModelRunner:
                                  column_mass=columns, scores=scores,
                                  host_copies=self.transfer.copies - copies,
                                  host_bytes=self.transfer.bytes - moved)
+
+    def _read_rows(self, out: SchedulerOutput, lay: Layout, ids: torch.Tensor,
+                   extra_rows: list[torch.Tensor]) -> torch.Tensor | None:
+        """[rows] bool: the logit rows the LM head computes (worker/logit_rows.py), extra rows
+        always; None: all of them (`masked_logits` off, not the CPU, sparse windows)."""
+        if not (self.masked_logits and out.items and self.device.type == "cpu") or \
+                any(valid is not None for valid in lay.row_valid):
+            return None
+        keep = read_rows(out.items, lay.rows, ids, self.model.spec.mask_token_id, self.shift)
+        if keep is None or not extra_rows:
+            return keep
+        return torch.cat([keep] + [torch.ones(r.numel(), dtype=torch.bool) for r in extra_rows])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The forward a CUDA graph captures: the eager one, without statistics or edits."""
