@@ -63,6 +63,9 @@ class Family:
     base: dict = field(default_factory=dict)    # SamplingParams of every request
     caches: tuple = ("none", "prefix", "dual")  # the others' kv_cache
     needle_decoding: str | None = "cover"
+    batch_sizes: tuple = (2, 7, 19, 33, 64)     # five batches of 2-64 requests (needle included)
+    prompt_len: tuple[int, int] = (2, 40)       # the others' prompt lengths, [lo, hi)
+    max_tokens: tuple = (4, 8, 12, 16)          # the others' max_tokens
 
 
 def run_needle(llm, spy: NeedleSpy, needle: tuple, others: list[tuple]) -> NeedleRun:
@@ -110,9 +113,9 @@ def random_others(rng: random.Random, count: int, family: "Family") -> list[tupl
     decoders, vocab, base, caches = family.decoders, family.vocab, family.base, family.caches
     others = []
     for _ in range(count):
-        prompt = [rng.randrange(*vocab) for _ in range(rng.randrange(2, 40))]
+        prompt = [rng.randrange(*vocab) for _ in range(rng.randrange(*family.prompt_len))]
         knobs = dict(base)
-        knobs.update(max_tokens=rng.choice((4, 8, 12, 16)), decoding=rng.choice(decoders),
+        knobs.update(max_tokens=rng.choice(family.max_tokens), decoding=rng.choice(decoders),
                      seed=rng.randrange(1000))
         if knobs["decoding"] is None:
             knobs.pop("decoding")
