@@ -23,6 +23,7 @@ the rest (engine/timing.py). On CUDA a row also reports the forward's device tim
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import statistics
 import time
@@ -70,6 +71,8 @@ class ThroughputSpec:
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
     enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
+    batch_invariant: tuple[bool, ...] = (False,)   # (False, True): each row also with the
+                                       # batch-invariant mode, labelled "<dtype>+invariant"
 
 
 @dataclass
@@ -294,12 +297,12 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]
-        for bs in spec.batch_sizes:
+        for bs, invariant in itertools.product(spec.batch_sizes, spec.batch_invariant):
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
                       num_threads=threads, dtype=name, quantization=spec.quantization,
                       device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-                      enforce_eager=spec.enforce_eager)
+                      enforce_eager=spec.enforce_eager, batch_invariant=invariant)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             if name not in report["reference"] and spec.reference_prompts and \
                     spec.device != "meta":             # a shapes-only model yields no tokens
@@ -309,7 +312,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                 if ref:
                     log(f"  reference loop ({name}): {ref['tokens_per_s']:.1f} tok/s  "
                         f"MFU {ref['mfu']:.0%} (bound {ref['mfu_bound']:.0%})")
-            _run_batch(spec, llm, work, name, peak, report, log)
+            _run_batch(spec, llm, work, name + ("+invariant" if invariant else ""), peak,
+                       report, log)
     return report
 
 
@@ -317,7 +321,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
                report: dict, log) -> None:
     """Every (decoding, cache, refresh) row of one engine (one dtype and batch size)."""
     bs = llm.engine.config.max_num_seqs
-    ref = report["reference"].get(dtype) or {}
+    ref = report["reference"].get(dtype.split("+")[0]) or {}
     read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
@@ -331,7 +335,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         run = next(run for run in measured if run.seconds == median)
         outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = run[:8]
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
-                                                   getattr(torch, dtype),
+                                                   getattr(torch, dtype.split("+")[0]),
                                                    llm.engine.quantization)
         ms = [o.metrics for o in outs]
         tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)
