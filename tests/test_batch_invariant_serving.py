@@ -75,6 +75,10 @@ def test_server_gives_the_same_answer_alone_and_under_32_clients():
 
 
 def test_lm_eval_scores_equal_with_batch_size_1_and_32(tmp_path):
+    """lm-eval's batch_size 1 and 32, the engine running 1 and 32 requests at once. (The
+    model_args batch_size is the Monte-Carlo estimator's mini-batch, which defines the
+    estimate: one mask count is drawn per mini-batch, as in the official LLaDA estimator; it
+    stays 32 on both sides.)"""
     lm_eval = pytest.importorskip("lm_eval")
     import cover_vllm.harness  # noqa: F401  (registers the model)
     from lm_eval.tasks import TaskManager
@@ -89,9 +93,9 @@ def test_lm_eval_scores_equal_with_batch_size_1_and_32(tmp_path):
     def evaluate(batch: int):
         out = lm_eval.simple_evaluate(
             model="cover_vllm", tasks=["cover_arith_mc"], task_manager=tasks, limit=6,
-            model_args=f"pretrained=cover-tiny,mc_num=32,batch_size={batch},max_num_seqs="
-                       f"{batch},check_greedy=False,batch_invariant=True,num_threads=1",
-            log_samples=True)
+            batch_size=batch, log_samples=True,
+            model_args=f"pretrained=cover-tiny,mc_num=32,batch_size=32,max_num_seqs={batch},"
+                       "check_greedy=False,batch_invariant=True,num_threads=1")
         samples = [s["resps"] for s in out["samples"]["cover_arith_mc"]]
         return out["results"]["cover_arith_mc"], samples
 
