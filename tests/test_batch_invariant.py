@@ -96,3 +96,85 @@ def test_negative_control_mode_off_on_this_machine():
     if not found:
         pytest.skip("cover-tiny's needle does not depend on its batch on this machine")
     assert any("logits differ" in d for d in found)
+
+
+# ---- the mode's two pieces against their plain ops (parity) and across batches ---------------
+def _sdpa_batch(needle, others, dtype):
+    """q/k/v/bias of a batch: the needle sequence (q [H, Qn, d], k/v [Hkv, Kn, d], its float
+    bias [Qn, Kn]) first, then `others` (Q, K) random sequences; padded rows see their keys."""
+    qn, kn, vn, bn = needle
+    shapes = [(qn.shape[1], kn.shape[1])] + others
+    b, q_max, k_max = len(shapes), max(s[0] for s in shapes), max(s[1] for s in shapes)
+    h, hkv, d = qn.shape[0], kn.shape[0], qn.shape[2]
+    q = torch.randn(b, h, q_max, d).to(dtype)
+    k, v = torch.randn(b, hkv, k_max, d).to(dtype), torch.randn(b, hkv, k_max, d).to(dtype)
+    bias = torch.full((b, 1, q_max, k_max), float("-inf"), dtype=dtype)
+    for i, (nq, nk) in enumerate(shapes):
+        bias[i, 0, :, :nk] = 0.0
+    q[0, :, :qn.shape[1]], k[0, :, :kn.shape[1]], v[0, :, :kn.shape[1]] = qn, kn, vn
+    bias[0, 0, :qn.shape[1], :kn.shape[1]] = bn
+    return q, k, v, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4, 64), (4, 2, 24)])
+def test_invariant_sdpa_is_sdpa_and_ignores_the_other_sequences(dtype, heads):
+    import torch.nn.functional as F
+
+    from cover_vllm.layers.batch_invariant import invariant_sdpa
+
+    h, hkv, d = heads
+    gen = torch.Generator().manual_seed(0)
+    qn = torch.randn(h, 20, d, generator=gen).to(dtype)
+    kn, vn = (torch.randn(hkv, 37, d, generator=gen).to(dtype) for _ in range(2))
+    bn = torch.zeros(20, 37, dtype=dtype)
+    bn[3, 5] = bn[7, 30] = float("-inf")                     # an override-like hidden column
+    alone = None
+    for others in ([], [(5, 10)], [(40, 90), (3, 600)], [(300, 1100)]):
+        q, k, v, bias = _sdpa_batch((qn, kn, vn, bn), others, dtype)
+        out = invariant_sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask=bias,
+                             enable_gqa=h != hkv)
+        plain = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=h != hkv)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[:, :, :20].float(), plain[:, :, :20].float(), atol=tol)
+        mine = out[0, :, :20]
+        alone = mine if alone is None else alone
+        assert torch.equal(mine, alone), others
+
+
+@pytest.mark.parametrize("policy", [0, 4, -64])
+def test_rows_call_keeps_a_row_whatever_the_row_count(policy):
+    """Every policy computes F.linear (parity); padding to 4 rows and fixed 64-row tiles make a
+    row's result the same in any batch (FREE is for kernels measured to be so already)."""
+    import torch.nn.functional as F
+
+    from cover_vllm.layers.batch_invariant import rows_call
+
+    gen = torch.Generator().manual_seed(0)
+    w, needle = torch.randn(96, 64, generator=gen), torch.randn(64, generator=gen)
+    seen = set()
+    for m in (1, 2, 3, 5, 64, 65, 130):
+        x = torch.randn(m, 64, generator=gen)
+        x[m // 2] = needle
+        out = rows_call(F.linear, policy, x, (w,), {})
+        assert torch.allclose(out, F.linear(x, w), atol=1e-5)
+        seen.add(out[m // 2].numpy().tobytes())
+    if policy:
+        assert len(seen) == 1
+
+
+def test_probe_measures_a_policy_that_holds():
+    """The measured policy of this machine's fp32 GEMM makes it row-count independent."""
+    import torch.nn.functional as F
+
+    from cover_vllm.layers.batch_invariant import PROBE_ROWS, probe, rows_call
+
+    w = torch.randn(48, 32)
+    policy = probe(F.linear, torch.zeros(1, 32), (w,), {})
+    needle = torch.randn(32)
+    seen = set()
+    for m in PROBE_ROWS:
+        x = torch.randn(m, 32)
+        x[-1] = needle
+        seen.add(rows_call(F.linear, policy, x, (w,), {})[-1].numpy().tobytes())
+    assert len(seen) == 1
