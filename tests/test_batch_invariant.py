@@ -118,7 +118,8 @@ def _sdpa_batch(needle, others, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4, 64), (4, 2, 24)])
-def test_invariant_sdpa_is_sdpa_and_ignores_the_other_sequences(dtype, heads):
+@pytest.mark.parametrize("num_keys", [37, 600])
+def test_invariant_sdpa_is_sdpa_and_ignores_the_other_sequences(dtype, heads, num_keys):
     import torch.nn.functional as F
 
     from cover_vllm.layers.batch_invariant import invariant_sdpa
@@ -126,8 +127,8 @@ def test_invariant_sdpa_is_sdpa_and_ignores_the_other_sequences(dtype, heads):
     h, hkv, d = heads
     gen = torch.Generator().manual_seed(0)
     qn = torch.randn(h, 20, d, generator=gen).to(dtype)
-    kn, vn = (torch.randn(hkv, 37, d, generator=gen).to(dtype) for _ in range(2))
-    bn = torch.zeros(20, 37, dtype=dtype)
+    kn, vn = (torch.randn(hkv, num_keys, d, generator=gen).to(dtype) for _ in range(2))
+    bn = torch.zeros(20, num_keys, dtype=dtype)
     bn[3, 5] = bn[7, 30] = float("-inf")                     # an override-like hidden column
     alone = None
     for others in ([], [(5, 10)], [(40, 90), (3, 600)], [(300, 1100)]):

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger(__name__)
 
 TILE_ROWS = 64          # rows per GEMM call for a kernel whose result depends on the row count
-KEY_BLOCK = 512         # key axis padded to a multiple of this (the CPU flash kernel's key split)
+KEY_BLOCK = 64          # key axis padded to a multiple of this (measured: docs/batch_invariance.md)
 QUERY_TILE = 32         # query rows per attention batch entry (the CPU flash kernel's query split)
 PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 257)
 
@@ -141,21 +141,31 @@ def invariant_sdpa(sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_bool = attn_mask.dtype == torch.bool
     allowed = attn_mask if is_bool else attn_mask != float("-inf")
     used = allowed.any(dim=2).any(dim=1).expand(b, n_k)                    # [B, K]
-    order = (~used).to(torch.uint8).argsort(dim=1, stable=True)            # used columns first
+    # used columns first, in order; None: they already are (no override columns; host check,
+    # so only on the CPU)
+    order = None if q.device.type == "cpu" and bool((used[:, 1:] <= used[:, :-1]).all()) \
+        else (~used).to(torch.uint8).argsort(dim=1, stable=True)
     k_pad = -(-n_k // KEY_BLOCK) * KEY_BLOCK
     q_pad = -(-n_q // QUERY_TILE) * QUERY_TILE
     tiles = q_pad // QUERY_TILE
-    kv_index = order[:, None, :, None]
 
     def keys(t: torch.Tensor) -> torch.Tensor:                # [B, Hkv, K, d] -> [B*t, Hkv, Kp, d]
-        t = t.expand(b, *t.shape[1:]).gather(2, kv_index.expand(b, t.shape[1], n_k, t.shape[3]))
-        t = F.pad(t, (0, 0, 0, k_pad - n_k))
+        t = t.expand(b, *t.shape[1:])
+        if order is not None:
+            t = t.gather(2, order[:, None, :, None].expand(b, t.shape[1], n_k, t.shape[3]))
+        if k_pad != n_k:
+            t = F.pad(t, (0, 0, 0, k_pad - n_k))
+        if tiles == 1:
+            return t
         return t[:, None].expand(b, tiles, *t.shape[1:]).reshape(b * tiles, *t.shape[1:])
 
     mb, mh, mq = attn_mask.shape[:3]
-    mask = attn_mask.expand(b, mh, mq, n_k).gather(3, order[:, None, None, :].expand(b, mh, mq, n_k))
+    mask = attn_mask.expand(b, mh, mq, n_k)
+    if order is not None:
+        mask = mask.gather(3, order[:, None, None, :].expand(b, mh, mq, n_k))
     mask = F.pad(mask, (0, k_pad - n_k), value=False if is_bool else float("-inf"))
-    used_k = F.pad(used.gather(1, order), (0, k_pad - n_k), value=False)   # [B, Kp] packed
+    used_k = F.pad(used if order is None else used.gather(1, order), (0, k_pad - n_k),
+                   value=False)                                            # [B, Kp] packed
     # keep padding columns hidden even where the caller's mask row broadcast over them
     mask = mask & used_k[:, None, None] if is_bool else mask.masked_fill(
         ~used_k[:, None, None], float("-inf"))
