@@ -4,8 +4,9 @@ One needle request runs alone, then inside random batches of 2-64 requests of ot
 lengths, max_tokens, decoders and cache modes; with `batch_invariant=True` its logits at every
 step (the worker's output), tokens, NFE and logprobs are bitwise the solo run's. Models:
 llada-50m (dummy weights) in bf16 and fp32, cover-tiny, and the golden fixtures' tiny SDAR
-(block diffusion), LLaDA-MoE and DiffusionGemma checkpoints. The negative control runs the same
-batches with the mode off and shows the check sees a difference where the machine makes one.
+(block diffusion), LLaDA-MoE (also int8 and W8A8) and DiffusionGemma checkpoints. The
+negative controls show the check sees a difference where one is made, and where the machine
+makes one with the mode off.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ FAMILIES = {
                    needle_decoding=None),
     "llada_moe": Family(dict(model=str(GOLDEN / "llada_moe" / "model")), STRATEGIES,
                         base=dict(block_length=4)),
+    "llada_moe-int8": Family(dict(model=str(GOLDEN / "llada_moe" / "model"),
+                                  quantization="int8"), STRATEGIES, base=dict(block_length=4)),
+    "llada_moe-w8a8": Family(dict(model=str(GOLDEN / "llada_moe" / "model"),
+                                  quantization="w8a8"), STRATEGIES, base=dict(block_length=4)),
     "diffusion_gemma": Family(dict(model=str(GOLDEN / "diffusion_gemma" / "model")), (None,),
                               caches=(), needle_decoding=None),
 }

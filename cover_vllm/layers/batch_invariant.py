@@ -12,12 +12,15 @@ can change a whole continuation. Two kinds of op mix the batch into a row's redu
   fewer rows padded to `r` (fp32 MKL here: 1, 2-3 and 4+ rows are three code paths); any other
   runs in fixed tiles of `TILE_ROWS` rows, the last one padded.
 * **Attention** (F.scaled_dot_product_attention): keys are padded to the batch's longest
-  sequence (`Kmax`) and the fused kernel splits keys and queries into blocks chosen from Kmax and
-  Qmax. `invariant_sdpa` moves each sequence's key columns that any of its rows can see to the
-  left, in their order, pads the key axis to a multiple of `KEY_BLOCK` (so the kernel's key
-  split is always KEY_BLOCK and a block holding none of a sequence's keys adds exact zeros), and
-  runs the queries as separate batch entries of `QUERY_TILE` rows. A row's result then depends
-  only on its own sequence's keys.
+  sequence (`Kmax`), a sequence's override columns sit after Kmax, and the fused kernel splits
+  keys and queries into blocks chosen from Kmax and Qmax. `invariant_sdpa` moves each
+  sequence's key columns that any of its rows can see to the left, in their order (a no-op
+  without override columns), pads the key axis to a multiple of `KEY_BLOCK` with hidden
+  columns, and runs the queries as separate batch entries of `QUERY_TILE` rows. A row's result
+  then depends on its own sequence's keys only: its keys always sit at the same columns, and the
+  hidden columns after them add exact zeros (measured on this CPU with the key axis at any
+  multiple of 64, tests/test_batch_invariant.py; 512, the CPU kernel's own key split, is the
+  choice that needs no measurement).
 
 Norms, softmax, RoPE, activations, the MoE router and combine, and the strategies' decisions
 are row-wise already; tests/test_batch_invariant.py checks the whole chain (the needle test).
