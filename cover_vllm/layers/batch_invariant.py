@@ -59,9 +59,8 @@ class RowPolicy:
         self.rows = {} if measured is None else measured
 
     def get(self, func, x: torch.Tensor, rest: tuple, kwargs: dict) -> int:
-        weight = rest[0] if rest and isinstance(rest[0], torch.Tensor) else None
-        key = (func, x.dtype, x.device.type, x.shape[-1],
-               None if weight is None else (tuple(weight.shape), weight.dtype))
+        key = (func, x.dtype, x.device.type, x.shape[-1],     # and every tensor argument's
+               tuple((tuple(t.shape), t.dtype) for t in rest if isinstance(t, torch.Tensor)))
         if key not in self.rows and x.device.type == "cuda":
             self.rows[key] = -TILE_ROWS     # by construction (and capturable in a CUDA graph)
         if key not in self.rows:
