@@ -115,3 +115,13 @@ def test_needle_on_cuda():
         assert t.check("cuda", invariant=True) == []
     finally:
         del t.FAMILIES["cuda"]
+
+
+def test_startup_log_says_the_mode_is_on(caplog):
+    import logging
+
+    from cover_vllm import LLM
+
+    with caplog.at_level(logging.INFO):
+        LLM("cover-tiny", batch_invariant=True, num_threads=1).shutdown()
+    assert "batch-invariant mode on" in caplog.text

@@ -23,7 +23,6 @@ the rest (engine/timing.py). On CUDA a row also reports the forward's device tim
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 import statistics
 import time
@@ -71,8 +70,7 @@ class ThroughputSpec:
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
     enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
-    batch_invariant: tuple[bool, ...] = (False,)   # (False, True): each row also with the
-                                       # batch-invariant mode, labelled "<dtype>+invariant"
+    batch_invariant: tuple[bool, ...] = (False,)   # (False, True): rows "<dtype>+invariant" too
 
 
 @dataclass
@@ -295,9 +293,8 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     if not spec.decodings:
         spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
     for dtype in dtypes:
-        name = dtype_name(dtype)
-        peak = machine["matmul_gflops"][name]
-        for bs, invariant in itertools.product(spec.batch_sizes, spec.batch_invariant):
+        peak = machine["matmul_gflops"][name := dtype_name(dtype)]
+        for bs, invariant in [(b, i) for b in spec.batch_sizes for i in spec.batch_invariant]:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
                       num_threads=threads, dtype=name, quantization=spec.quantization,
@@ -312,8 +309,7 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
                 if ref:
                     log(f"  reference loop ({name}): {ref['tokens_per_s']:.1f} tok/s  "
                         f"MFU {ref['mfu']:.0%} (bound {ref['mfu_bound']:.0%})")
-            _run_batch(spec, llm, work, name + ("+invariant" if invariant else ""), peak,
-                       report, log)
+            _run_batch(spec, llm, work, name + "+invariant" * invariant, peak, report, log)
     return report
 
 

@@ -95,9 +95,6 @@ class Engine:
                            "the generated token ids (token_ids) and empty text", resolved.name)
         self.executor = make_executor(config, resolved, self.spec)
         logger.info(self.memory.startup_line())
-        if config.batch_invariant:
-            logger.info("batch-invariant mode on: a request's logits do not depend on the other "
-                        "requests of its step (docs/batch_invariance.md)")
         self.pool = PagePool(self.executor.num_pages)
         self.scheduler = Scheduler(config, self.pool, self.spec.logit_shift,
                                    prefix_caching=prefix_caching(config, self.spec),

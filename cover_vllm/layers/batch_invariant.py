@@ -252,6 +252,8 @@ def invariant_context(enabled: bool, device: str = "cpu"):
     worker enters it around each forward."""
     if not enabled:
         return contextlib.nullcontext()
+    logger.info("batch-invariant mode on: a request's logits do not depend on its batch "
+                "(docs/batch_invariance.md)")
     if torch.device(device).type == "cuda":
         configure_cuda()
     return BatchInvariantMode(measured_policies())
