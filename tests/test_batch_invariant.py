@@ -135,9 +135,15 @@ def test_invariant_sdpa_is_sdpa_and_ignores_the_other_sequences(dtype, heads, nu
     kn, vn = (torch.randn(hkv, num_keys, d, generator=gen).to(dtype) for _ in range(2))
     bn = torch.zeros(20, num_keys, dtype=dtype)
     bn[3, 5] = bn[7, 30] = float("-inf")                     # an override-like hidden column
+    fresh_k, fresh_v = (torch.randn(hkv, 2, d, generator=gen).to(dtype) for _ in range(2))
     alone = None
     for others in ([], [(5, 10)], [(40, 90), (3, 600)], [(300, 1100)]):
         q, k, v, bias = _sdpa_batch((qn, kn, vn, bn), others, dtype)
+        # two override columns after Kmax, seen by row 3 only (where the runner puts them)
+        k, v = torch.cat([k, k[:, :, :2]], 2), torch.cat([v, v[:, :, :2]], 2)
+        k[0, :, -2:], v[0, :, -2:] = fresh_k, fresh_v
+        bias = torch.cat([bias, torch.full_like(bias[..., :2], float("-inf"))], -1)
+        bias[0, 0, 3, -2:] = 0.0
         out = invariant_sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask=bias,
                              enable_gqa=h != hkv)
         plain = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=h != hkv)

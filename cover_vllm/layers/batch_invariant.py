@@ -147,14 +147,17 @@ def invariant_sdpa(sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # so only on the CPU)
     order = None if q.device.type == "cpu" and bool((used[:, 1:] <= used[:, :-1]).all()) \
         else (~used).to(torch.uint8).argsort(dim=1, stable=True)
+    flat_order = None if order is None else (
+        order + torch.arange(b, device=q.device)[:, None] * n_k).reshape(-1)
     k_pad = -(-n_k // KEY_BLOCK) * KEY_BLOCK
     q_pad = -(-n_q // QUERY_TILE) * QUERY_TILE
     tiles = q_pad // QUERY_TILE
 
     def keys(t: torch.Tensor) -> torch.Tensor:                # [B, Hkv, K, d] -> [B*t, Hkv, Kp, d]
         t = t.expand(b, *t.shape[1:])
-        if order is not None:
-            t = t.gather(2, order[:, None, :, None].expand(b, t.shape[1], n_k, t.shape[3]))
+        if order is not None:               # whole key rows, in the cache's [B, K, Hkv, d] order
+            rows = t.transpose(1, 2).reshape(b * n_k, -1).index_select(0, flat_order)
+            t = rows.view(b, n_k, t.shape[1], t.shape[3]).transpose(1, 2)
         if k_pad != n_k:
             t = F.pad(t, (0, 0, 0, k_pad - n_k))
         if tiles == 1:
