@@ -78,7 +78,7 @@ def test_lm_eval_scores_equal_with_batch_size_1_and_32(tmp_path):
     """lm-eval's batch_size 1 and 32, the engine running 1 and 32 requests at once. (The
     model_args batch_size is the Monte-Carlo estimator's mini-batch, which defines the
     estimate: one mask count is drawn per mini-batch, as in the official LLaDA estimator; it
-    stays 32 on both sides.)"""
+    stays 8 on both sides.)"""
     lm_eval = pytest.importorskip("lm_eval")
     import cover_vllm.harness  # noqa: F401  (registers the model)
     from lm_eval.tasks import TaskManager
@@ -86,15 +86,15 @@ def test_lm_eval_scores_equal_with_batch_size_1_and_32(tmp_path):
     from cover_vllm import LLM
     from cover_vllm.tasks.choices import arith_choices, chat_context, write_lm_eval_tasks
 
-    problems = arith_choices(6, chat_context(LLM("cover-tiny").get_tokenizer()))
+    problems = arith_choices(4, chat_context(LLM("cover-tiny").get_tokenizer()))
     tasks = TaskManager(include_path=str(write_lm_eval_tasks(problems, tmp_path)),
                         include_defaults=False)
 
     def evaluate(batch: int):
         out = lm_eval.simple_evaluate(
-            model="cover_vllm", tasks=["cover_arith_mc"], task_manager=tasks, limit=6,
+            model="cover_vllm", tasks=["cover_arith_mc"], task_manager=tasks, limit=4,
             batch_size=batch, log_samples=True,
-            model_args=f"pretrained=cover-tiny,mc_num=32,batch_size=32,max_num_seqs={batch},"
+            model_args=f"pretrained=cover-tiny,mc_num=8,batch_size=8,max_num_seqs={batch},"
                        "check_greedy=False,batch_invariant=True,num_threads=1")
         samples = [s["resps"] for s in out["samples"]["cover_arith_mc"]]
         return out["results"]["cover_arith_mc"], samples
