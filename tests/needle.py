@@ -70,14 +70,19 @@ class Family:
 
 def run_needle(llm, spy: NeedleSpy, needle: tuple, others: list[tuple]) -> NeedleRun:
     """Add the others and the needle (at a random place among them) as (prompt, params) pairs,
-    step the engine until all finish, and return what the needle did."""
+    step the engine until all finish (aborting the first other after one step), and return
+    what the needle did."""
     engine = llm.engine
     spy.run = run = NeedleRun()
     place = random.Random(len(others)).randrange(len(others) + 1)
     requests = others[:place] + [needle] + others[place:]
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(NEEDLE if i == place else f"other-{i}", prompt, params)
+    steps = 0
     while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 2 and place > 0:            # an abort in the needle's batch
+            engine.abort_request("other-0")
         for out in engine.step():
             if out.finished and out.request_id == NEEDLE:
                 first = out.outputs[0]
@@ -109,14 +114,14 @@ def differences(solo: NeedleRun, batched: NeedleRun) -> list[str]:
 
 
 def random_others(rng: random.Random, count: int, family: "Family") -> list[tuple]:
-    """`count` requests of random prompt length, max_tokens, decoder and cache mode."""
+    """`count` requests of random prompt length, max_tokens, decoder, cache mode and `n`."""
     decoders, vocab, base, caches = family.decoders, family.vocab, family.base, family.caches
     others = []
     for _ in range(count):
         prompt = [rng.randrange(*vocab) for _ in range(rng.randrange(*family.prompt_len))]
         knobs = dict(base)
         knobs.update(max_tokens=rng.choice(family.max_tokens), decoding=rng.choice(decoders),
-                     seed=rng.randrange(1000))
+                     seed=rng.randrange(1000), n=rng.choice((1, 1, 2)))
         if knobs["decoding"] is None:
             knobs.pop("decoding")
         if caches:
