@@ -3,8 +3,9 @@
 One needle request runs alone, then inside random batches of 2-64 requests of other prompt
 lengths, max_tokens, decoders and cache modes; with `batch_invariant=True` its logits at every
 step (the worker's output), tokens, NFE and logprobs are bitwise the solo run's. Models:
-llada-50m (dummy weights) in bf16 and fp32, cover-tiny, and the golden fixtures' tiny SDAR
-(block diffusion), LLaDA-MoE (also int8 and W8A8) and DiffusionGemma checkpoints. The
+llada-50m (dummy weights) in bf16 and fp32, cover-tiny, and the golden fixtures' tiny Dream,
+SDAR and LLaDA2.x (block diffusion), LLaDA-MoE (also int8 and W8A8) and DiffusionGemma
+checkpoints. The
 negative controls show the check sees a difference where one is made, and where the machine
 makes one with the mode off.
 """
@@ -34,6 +35,10 @@ FAMILIES = {
     "cover-tiny": Family(dict(model="cover-tiny"), STRATEGIES, (5, 200), dict(block_length=4)),
     "sdar": Family(dict(model=str(GOLDEN / "sdar" / "model")), (None, "threshold"),
                    needle_decoding=None),
+    "dream": Family(dict(model=str(GOLDEN / "dream" / "model")), STRATEGIES,
+                    base=dict(block_length=4)),
+    "llada2": Family(dict(model=str(GOLDEN / "llada2" / "model")), (None, "threshold"),
+                     needle_decoding=None),
     "llada_moe": Family(dict(model=str(GOLDEN / "llada_moe" / "model")), STRATEGIES,
                         base=dict(block_length=4)),
     "llada_moe-int8": Family(dict(model=str(GOLDEN / "llada_moe" / "model"),
