@@ -5,9 +5,8 @@ lengths, max_tokens, decoders and cache modes; with `batch_invariant=True` its l
 step (the worker's output), tokens, NFE and logprobs are bitwise the solo run's. Models:
 llada-50m (dummy weights) in bf16 and fp32, cover-tiny, and the golden fixtures' tiny Dream,
 SDAR and LLaDA2.x (block diffusion), LLaDA-MoE (also int8 and W8A8) and DiffusionGemma
-checkpoints. The
-negative controls show the check sees a difference where one is made, and where the machine
-makes one with the mode off.
+checkpoints. The negative controls show the check sees a difference where one is made, and
+where the machine makes one with the mode off.
 """
 
 from __future__ import annotations
