@@ -125,3 +125,27 @@ def test_startup_log_says_the_mode_is_on(caplog):
     with caplog.at_level(logging.INFO):
         LLM("cover-tiny", batch_invariant=True, num_threads=1).shutdown()
     assert "batch-invariant mode on" in caplog.text
+
+
+def test_tensor_parallel_needle_keeps_tokens_and_logprobs():
+    """tensor_parallel_size=2 (worker processes enter the mode themselves): the needle's tokens
+    and logprobs alone and in a batch of 16 are equal (across TP sizes they may differ)."""
+    import random
+
+    from cover_vllm import LLM, SamplingParams
+
+    llm = LLM("cover-tiny", tensor_parallel_size=2, batch_invariant=True, num_threads=1,
+              kv_cache_memory_bytes=64 << 20)
+    try:
+        params = SamplingParams(max_tokens=8, block_length=4, decoding="cover", logprobs=2,
+                                seed=7)
+        needle = [11, 42, 7, 99, 23]
+        alone = llm.generate([needle], params, use_tqdm=False)[0].outputs[0]
+        rng = random.Random(0)
+        others = [[rng.randrange(5, 200) for _ in range(rng.randrange(2, 40))]
+                  for _ in range(15)]
+        batch = llm.generate(others[:7] + [needle] + others[7:], params, use_tqdm=False)
+        assert (batch[7].outputs[0].token_ids, batch[7].outputs[0].logprobs) == \
+            (alone.token_ids, alone.logprobs)
+    finally:
+        llm.shutdown()
