@@ -1,6 +1,7 @@
-"""The batch-invariant mode (issue #51) from the outside: its flags and switch, the server
-(a request's text and logprobs alone and under 32 concurrent clients), lm-eval's scores with
-batch_size 1 and 32, the throughput bench's rows beside the default, and CUDA (where present)."""
+"""The batch-invariant mode (issue #51) from the outside: its flags, switch and log line, the
+server (a request's text and logprobs alone and under 32 concurrent clients), lm-eval's scores
+with batch_size 1 and 32, the throughput bench's rows beside the default, tensor parallelism,
+and CUDA (where present)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from cover_vllm.entrypoints.cli import build_parser
 from cover_vllm.entrypoints.engine_flags import engine_kwargs
 
 
-@pytest.mark.parametrize("argv", [["serve", "cover-tiny"], ["generate", "cover-tiny", "--prompt", "hi"],
+@pytest.mark.parametrize("argv", [["serve", "cover-tiny"],
+                                  ["generate", "cover-tiny", "--prompt", "hi"],
                                   ["eval", "--model", "cover-tiny"]])
 def test_flag_on_serve_generate_eval(argv):
     parser = build_parser()
