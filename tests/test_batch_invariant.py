@@ -194,3 +194,15 @@ def test_probe_measures_a_policy_that_holds():
         x[-1] = needle
         seen.add(rows_call(F.linear, policy, x, (w,), {})[-1].numpy().tobytes())
     assert len(seen) == 1
+
+
+def test_mode_leaves_keyword_calls_and_other_ops_alone():
+    import torch.nn.functional as F
+
+    from cover_vllm.layers.batch_invariant import BatchInvariantMode
+
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with BatchInvariantMode({}):
+        by_keyword = F.linear(input=x, weight=w)
+        summed = (x * 2).sum()
+    assert torch.equal(by_keyword, F.linear(x, w)) and torch.equal(summed, (x * 2).sum())

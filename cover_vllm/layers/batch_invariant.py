@@ -214,8 +214,8 @@ class BatchInvariantMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.row_ops or (func in _MATMULS and _weight_like(args)):
-            x, rest = args[0], tuple(args[1:])
+        if args and (func in self.row_ops or (func in _MATMULS and _weight_like(args))):
+            x, rest = args[0], tuple(args[1:])          # (rows given by keyword: left alone)
             if isinstance(x, torch.Tensor) and x.dim() >= 1:
                 with torch._C.DisableTorchFunction():
                     policy = self.policy.get(func, x, rest, kwargs)
