@@ -18,6 +18,12 @@ _DEFAULT_KV_BYTES = 2 << 30   # 2 GiB cap when the user gives no budget
 DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
+def batch_invariant_env() -> bool:
+    """VLLM_BATCH_INVARIANT=1 (vLLM's switch) turns `batch_invariant` on."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes",
+                                                                            "on")
+
+
 def option(default, help: str, *, kind: str = "str", choices: tuple | None = None,
            flags: tuple[str, ...] = ()):
     """An EngineConfig field with what its command-line flag needs: `kind` names the value
@@ -119,6 +125,11 @@ class EngineConfig:
     tokenizer: str | None = option(
         None, "tokenizer from another local directory or Hugging Face repo id (default: the "
         "model's own files)")
+    batch_invariant: bool = option(
+        False, "a request's logits bitwise independent of the other requests in its step "
+        "(fixed-tile GEMMs where the kernel needs them, per-sequence attention; "
+        "layers/batch_invariant.py, docs/batch_invariance.md); VLLM_BATCH_INVARIANT=1 turns it "
+        "on too. Same dtype, device kind and tensor_parallel_size only", kind="bool")
     revision: str | None = option(
         None, "branch, tag or commit of a Hugging Face repo id model (default: main)")
     tokenizer_revision: str | None = option(
@@ -153,7 +164,10 @@ class EngineConfig:
                                                or self.max_model_len <= 0):
             raise ValueError(f"max_model_len must be a positive int (or None: the model's), "
                              f"got {self.max_model_len!r}")
-        for name in ("trust_remote_code", "enforce_eager", "fast_norm"):
+        if batch_invariant_env() and not self.batch_invariant:      # vLLM's switch
+            object.__setattr__(self, "batch_invariant", True)
+        for name in ("trust_remote_code", "enforce_eager", "batch_invariant",
+                     "fast_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("tokenizer", "revision", "tokenizer_revision", "download_dir"):

@@ -68,6 +68,7 @@ class EvalSpec:
     threads: int | None = None         # torch intra-op threads (None: the engine's default)
     dtype: str = "auto"                # EngineConfig.dtype
     quantization: str | None = None    # EngineConfig.quantization
+    batch_invariant: bool = False      # EngineConfig.batch_invariant
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
     tasks = [get_task(name) for name in spec.tasks]
     choices = cache_choices(spec)
     llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=choices[0].kv_cache,
-              num_threads=spec.threads, dtype=spec.dtype, quantization=spec.quantization)
+              num_threads=spec.threads, dtype=spec.dtype, quantization=spec.quantization,
+              batch_invariant=spec.batch_invariant)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
     rows = []

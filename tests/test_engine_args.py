@@ -39,6 +39,7 @@ VALUES["quantization"] = "int8"            # weight-only quantized projections (
 # vLLM's common arguments (issue 26); gpu_memory_utilization agrees with memory_utilization
 VALUES.update({"max_model_len": "64", "trust_remote_code": "True", "enforce_eager": "True",
                "fast_norm": "True",
+               "batch_invariant": "True",
                "gpu_memory_utilization": "0.5", "tokenizer": "org/tokenizer",
                "revision": "v2", "tokenizer_revision": "v3", "download_dir": "/tmp/downloads"})
 

@@ -176,8 +176,10 @@ class AttentionMetadata:
         rows = self.q_index.flatten()
         allowed = self.visible(seqs, rows).view(b, 1, q_max, -1)
         pad = torch.ones(b * q_max, dtype=torch.bool, device=rows.device)
-        pad[self.out_index] = False              # padded rows see everything (output dropped)
-        return allowed | pad.view(b, 1, q_max, 1)
+        pad[self.out_index] = False     # padded rows see their sequence's keys (output dropped;
+        # never the padding columns, so the columns any row sees are the sequence's own:
+        # layers/batch_invariant.py packs those)
+        return allowed | (pad.view(b, 1, q_max, 1) & self.key_valid[:, None, None, :])
 
     def key_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """`mask()` as an additive bias (0 visible, -inf hidden), built once per dtype; zeros

@@ -70,6 +70,7 @@ class ThroughputSpec:
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
     enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
+    batch_invariant: tuple[bool, ...] = (False,)   # (False, True): rows "<dtype>+invariant" too
 
 
 @dataclass
@@ -264,17 +265,16 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     if not spec.decodings:
         spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
     for dtype in dtypes:
-        name = dtype_name(dtype)
-        peak = machine["matmul_gflops"][name]
-        for bs in spec.batch_sizes:
+        peak = machine["matmul_gflops"][name := dtype_name(dtype)]
+        for bs, invariant in [(b, i) for b in spec.batch_sizes for i in spec.batch_invariant]:
             llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=spec.kv_caches[0],
                       max_num_seqs=bs, load_format=load_format, seed=spec.seed,
                       num_threads=threads, dtype=name, quantization=spec.quantization,
                       device=spec.device, kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-                      enforce_eager=spec.enforce_eager)
+                      enforce_eager=spec.enforce_eager, batch_invariant=invariant)
             work = Workload(spec, llm, spec.num_prompts or 2 * bs)
             time_references(llm, work, spec, report, log)
-            _run_batch(spec, llm, work, name, peak, report, log)
+            _run_batch(spec, llm, work, name + "+invariant" * invariant, peak, report, log)
     return report
 
 
@@ -282,7 +282,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
                report: dict, log) -> None:
     """Every (decoding, cache, refresh) row of one engine (one dtype and batch size)."""
     bs = llm.engine.config.max_num_seqs
-    ref = report["reference"].get(dtype) or {}
+    ref = report["reference"].get(dtype.split("+")[0]) or {}
     read_gbps = report["machine"]["read_gbps"]
     caches = [(kv, "-" if kv == "none" else refresh) for kv in spec.kv_caches
               for refresh in (("-",) if kv == "none" else spec.cache_refreshes)]
@@ -297,7 +297,7 @@ def _run_batch(spec: ThroughputSpec, llm: LLM, work: Workload, dtype: str, peak:
         run = next(run for run in measured if run.seconds == median)
         outs, seconds, overhead, flops, forwards, peak_pages, host_ms, host_bytes = run[:8]
         streamed = forwards * forward_weight_bytes(llm.engine.flop_model,
-                                                   getattr(torch, dtype),
+                                                   getattr(torch, dtype.split("+")[0]),
                                                    llm.engine.quantization)
         ms = [o.metrics for o in outs]
         tokens = sum(work.useful_tokens(o.outputs[0].token_ids) for o in outs)

@@ -46,7 +46,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
                     cache_refresh=refreshes, decoding_params=tuple(params.items()),
                     use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype,
-                    quantization=args.quantization)
+                    quantization=args.quantization, batch_invariant=args.batch_invariant)
     baseline = load_baseline(args.baseline) if args.baseline else None   # before any work
     for base in (baseline or {}).values():
         if base["task"] in spec.tasks:
@@ -105,7 +105,9 @@ def _bench_spec(args: argparse.Namespace):
                           quantization=args.quantization, device=args.device,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           count_ops=getattr(args, "count_ops", False),
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager,
+                          batch_invariant=(False, True) if getattr(args, "batch_invariant",
+                                                                   False) else (False,))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -283,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an earlier --json on the same problems: print each row's problems lost "
                    "and gained against it, and the sign test's p")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
-    add_engine_flags(e, ["dtype", "num_threads", "quantization"])
+    add_engine_flags(e, ["dtype", "num_threads", "quantization", "batch_invariant"])
     e.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
@@ -295,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes, comma-separated")
     t.add_argument("--num-prompts", type=positive_int, default=None,
                    help="default: 2 x batch size")
+    t.add_argument("--batch-invariant", action="store_true",
+                   help="run every row also in the batch-invariant mode, beside the default "
+                   "(rows <dtype>+invariant; docs/batch_invariance.md)")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
     t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,

@@ -9,6 +9,7 @@ import torch
 from cover_vllm.attention import get_backend
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.tensor_parallel import param_slices
+from cover_vllm.layers.batch_invariant import invariant_context
 from cover_vllm.layers.common import pack_projections, use_fast_norm
 from cover_vllm.layers.rotary import reserve_rope_tables
 from cover_vllm.models.builtin import ResolvedModel
@@ -92,9 +93,12 @@ class Worker:
             keep_activations_on_heap()          # their own mappings (freed: back to the OS)
         self.runner = ModelRunner(self.model, get_backend(config.attention_backend), self.cache,
                                   canvas, capture)
+        # batch_invariant: every forward under one mode (its measured kernel policies persist)
+        self.invariant = invariant_context(config.batch_invariant, device)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        result = self.runner.execute_model(out)
+        with self.invariant:
+            result = self.runner.execute_model(out)
         return result if self.tp is None else self.tp.reduce_stats(result)
 
     def peak_memory_bytes(self) -> list[int]:
