@@ -144,6 +144,14 @@ FAMILIES: tuple[Family, ...] = (
            "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
            fused_tensors=llada2_fused_tensors,
            shapes={"llada2-mini": configs.LLADA2_MINI, "llada2.1-mini": configs.LLADA2_MINI}),
+    # Nemotron-Labs-Diffusion: block 32 (config.json `block_size`); its own decodings
+    # (`nemotron`, `ar`, `linear_spec`: models/nemotron_decode.py) commit each block causally
+    Family("nemotron_labs_diffusion", ("nemotron_labs_diffusion",),
+           ("cover_vllm.models.nemotron", "NemotronLabsDiffusionModel"),
+           "NemotronLabsDiffusionModel", attention=BlockCausal("block_size", default=32),
+           shapes={"nemotron-diffusion-3b": configs.NEMOTRON_DIFFUSION_3B,
+                   "nemotron-diffusion-8b": configs.NEMOTRON_DIFFUSION_8B,
+                   "nemotron-diffusion-14b": configs.NEMOTRON_DIFFUSION_14B}),
     # uniform-state canvases (no [MASK]) decoded by its own sampler; the canvas (`canvas_length`)
     # is its block; text only:
     # the vision tower is never loaded; int4 groups of 64: Gemma 4's widths 704 and 2112 are
