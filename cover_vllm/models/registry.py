@@ -149,6 +149,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("nemotron_labs_diffusion", ("nemotron_labs_diffusion",),
            ("cover_vllm.models.nemotron", "NemotronLabsDiffusionModel"),
            "NemotronLabsDiffusionModel", attention=BlockCausal("block_size", default=32),
+           default_decoding="nemotron",
            shapes={"nemotron-diffusion-3b": configs.NEMOTRON_DIFFUSION_3B,
                    "nemotron-diffusion-8b": configs.NEMOTRON_DIFFUSION_8B,
                    "nemotron-diffusion-14b": configs.NEMOTRON_DIFFUSION_14B}),

@@ -1,0 +1,100 @@
+"""The runner of Nemotron-Labs-Diffusion's own decodings (`nemotron`, `ar`, `linear_spec`;
+strategies/nemotron.py): continuous batching over a slot KV cache (models/nemotron_cache.py).
+
+Each step forwards one piece of every running request in one batch (a prefill, a diffusion
+step, a block's causal commit, an AR token, a draft or a verify, mixed), hands each request its
+logits, and admits waiting requests into freed slots (at most `max_num_seqs` run). A request's
+tokens do not depend on the batch: its pieces see only its own cache slot.
+
+It reuses the engine's loaded model (the same weights, dtype and device); it runs in the
+driver's process, so it serves tensor_parallel_size=1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from cover_vllm.engine.setup import prompt_ids
+from cover_vllm.models.nemotron_cache import SlotCache, run_pieces
+from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
+from cover_vllm.sampling_params import SamplingParams
+from cover_vllm.strategies import make_params
+from cover_vllm.strategies.nemotron import LOOPS, Job, Loop
+
+CAUSAL_DECODINGS = tuple(LOOPS)
+
+
+class NemotronRunner:
+    """`generate(requests)` for requests whose decoding is one of CAUSAL_DECODINGS."""
+
+    def __init__(self, engine):
+        if engine.config.tensor_parallel_size != 1:
+            raise ValueError("decoding='nemotron' | 'ar' | 'linear_spec' runs in the driver "
+                             "process: use tensor_parallel_size=1")
+        self.engine, self.spec = engine, engine.spec
+        self.model = engine.executor.model
+        param = next(self.model.parameters())
+        dims = self.model.dims
+        self.cache = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                               param.dtype, param.device)
+        self.max_num_seqs = engine.config.max_num_seqs
+
+    def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
+        """The state machine of one request (ValueError / TypeError for bad input)."""
+        name = params.decoding or default
+        text, ids = prompt_ids(prompt, self.spec.vocab_size, self.engine.tokenize)
+        knobs = make_params(name, params.decoding_params)
+        block = params.block_length or self.spec.default_block_length
+        if params.max_tokens < 1 or block < 1:
+            raise ValueError("max_tokens and block_length must be >= 1")
+        if len(ids) + params.max_tokens + 2 * block > self.spec.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"+ two blocks exceed max_model_len={self.spec.max_model_len}")
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                else self.engine.config.seed)
+        eos = () if params.ignore_eos else self.spec.eos_token_ids
+        job = Job(ids, params.max_tokens, block, self.spec.mask_token_id,
+                  tuple(eos) + tuple(params.stop_token_ids or ()), params.temperature, gen)
+        return text, LOOPS[name](job, knobs)
+
+    @torch.no_grad()
+    def generate(self, requests: list[tuple[str, str | None, Loop]]) -> list[RequestOutput]:
+        """Run (request id, prompt text, loop) to completion; outputs in the given order."""
+        waiting, running, done = deque(requests), [], {}
+        started = time.perf_counter()
+        while waiting or running:
+            while waiting and len(running) < self.max_num_seqs:
+                item = waiting.popleft()
+                item[2].slot = self.cache.allocate(item[2].capacity())
+                running.append(item)
+            logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in running])
+            still = []
+            for item, rows in zip(running, logits):
+                item[2].absorb(rows, self.cache)
+                if item[2].finished:
+                    self.cache.release(item[2].slot)
+                    done[item[0]] = self._output(item, time.perf_counter() - started)
+                else:
+                    still.append(item)
+            running = still
+        return [done[rid] for rid, _, _ in requests]
+
+    def _output(self, item: tuple[str, str | None, Loop], latency: float) -> RequestOutput:
+        rid, text, loop = item
+        tokens = loop.output()
+        tok = self.engine.tokenizer
+        out_text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+        metrics = RequestMetrics(nfe=loop.nfe, steps=loop.nfe, decoded_tokens=len(tokens),
+                                 tokens_per_step=len(tokens) / max(loop.nfe, 1),
+                                 latency_s=latency)
+        if loop.accepted:
+            metrics.accepted_tokens = sum(loop.accepted)
+            metrics.verifies = len(loop.accepted)
+        reason = "stop" if loop.stopped else "length"
+        return RequestOutput(rid, text, list(loop.job.prompt),
+                             [CompletionOutput(0, out_text, tokens, reason)], True, metrics)
