@@ -1,0 +1,170 @@
+"""Nemotron-Labs-Diffusion against the official vectors (tests/fixtures/golden/nemotron, README
+"Nemotron-Labs-Diffusion"): fp32 logits of both attention modes with and without a cache, and
+every greedy case of the official `generate`, `ar_generate` and `linear_spec_generate` token-
+and NFE-exact through `LLM(DIR)` with decoding="nemotron" | "ar" | "linear_spec", alone, all
+cases of one checkpoint and loop in one call, and every case of a checkpoint mixed in one call.
+Self-speculation is batched: at batch 16 each request gets its batch-1 tokens."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cover_vllm import LLM, SamplingParams
+from cover_vllm.models.loader import build_model
+from cover_vllm.models.nemotron import mode_mask
+from cover_vllm.models.nemotron_cache import Piece, SlotCache, run_pieces
+from cover_vllm.models.spec import ModelSpec
+from golden_cases import GOLDEN
+
+DIR = GOLDEN / "nemotron"
+TAGS = ("model", "model_long")
+CASES = json.loads((DIR / "generate.json").read_text())
+LOOPS = {"nemotron_generate": "nemotron", "nemotron_ar_generate": "ar",
+         "nemotron_linear_spec_generate": "linear_spec"}
+EOS = 11
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {tag: LLM(str(DIR / tag), dtype="float32", kv_cache_memory_bytes=8 << 20)
+            for tag in TAGS}
+
+
+def golden_model(tag: str):
+    spec = ModelSpec.from_dir(DIR / tag)
+    model = build_model(spec, torch.float32, "cpu")
+    model.load_state_dict(load_file(DIR / tag / "model.safetensors"))
+    return model.eval().requires_grad_(False)
+
+
+def params(case: dict) -> SamplingParams:
+    p, decoding = case["params"], LOOPS[case["decoder"]]
+    knobs = {}
+    if decoding == "nemotron":
+        knobs = {"threshold": p["threshold"], "causal_context": p["causal_context"]}
+        if "max_thinking_tokens" in p:
+            knobs.update(max_thinking_tokens=p["max_thinking_tokens"],
+                         end_think_token_id=p["end_think_token_id"])
+    elif decoding == "linear_spec":
+        knobs = {"threshold": p["threshold"]}
+    return SamplingParams(max_tokens=p["max_new_tokens"], block_length=p.get("block_length"),
+                          decoding=decoding, decoding_params=knobs)
+
+
+def expected(case: dict) -> list[int]:
+    """Generated tokens through the first EOS, at most max_new_tokens (the official
+    linear_spec_generate may run up to a block past it)."""
+    prompt = case["prompt_ids"][0]
+    out = case["output_ids"][0][len(prompt):]
+    if EOS in out:
+        out = out[:out.index(EOS) + 1]
+    return out[:case["params"]["max_new_tokens"]]
+
+
+def check(outputs, cases) -> None:
+    for out, case in zip(outputs, cases, strict=True):
+        got = out.outputs[0].token_ids
+        assert got == expected(case), case["name"]
+        assert out.metrics.nfe == case["nfe"], case["name"]
+        assert len(got) <= case["params"]["max_new_tokens"]
+        assert out.outputs[0].finish_reason == ("stop" if EOS in got else "length")
+
+
+def test_every_case_is_batch_one_and_mapped():
+    assert len(CASES) == 44 and {c["decoder"] for c in CASES} == set(LOOPS)
+    assert all(len(c["prompt_ids"]) == 1 for c in CASES)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_forward_logits_without_cache(tag):
+    ref, model = load_file(DIR / "forward.safetensors"), golden_model(tag)
+    ids = ref[f"{tag}.input_ids"]
+    p = ref[f"{tag}.logits_prefill_causal"].shape[1]
+    n = ids.shape[1]
+    torch.testing.assert_close(model(ids), ref[f"{tag}.logits_full_bidirectional"],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(model(ids, causal=True), ref[f"{tag}.logits_full_causal"],
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(model(ids[:, :p], causal=True),
+                               ref[f"{tag}.logits_prefill_causal"], atol=1e-4, rtol=0)
+    for causal, name in ((False, "diffusion"), (True, "causal")):   # the block as one mask
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed[p:] = mode_mask(p, n - p, causal)
+        torch.testing.assert_close(model(ids, attention_mask=allowed)[:, p:],
+                                   ref[f"{tag}.logits_block_{name}"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_forward_logits_with_cache(tag):
+    """The prompt prefilled causally into the slot cache, then the block in each mode (the
+    diffusion forward leaves the cache as it was); a second request beside it changes nothing."""
+    ref, model = load_file(DIR / "forward.safetensors"), golden_model(tag)
+    ids = ref[f"{tag}.input_ids"][0].tolist()
+    p = ref[f"{tag}.logits_prefill_causal"].shape[1]
+    d = model.dims
+    cache = SlotCache(d.num_layers, d.num_kv_heads, d.head_dim, torch.float32, "cpu")
+    slot, other = cache.allocate(64), cache.allocate(64)
+    pre = run_pieces(model, cache, [Piece(slot, ids[:p], True, True, list(range(p))),
+                                    Piece(other, ids[:5], True, True, [4])])[0]
+    torch.testing.assert_close(pre, ref[f"{tag}.logits_prefill_causal"][0], atol=1e-4, rtol=0)
+    block, rows = ids[p:], list(range(len(ids) - p))
+    diff = run_pieces(model, cache, [Piece(slot, block, False, False, rows),
+                                     Piece(other, ids[5:9], True, True, [0])])[0]
+    torch.testing.assert_close(diff, ref[f"{tag}.logits_block_diffusion"][0], atol=1e-4, rtol=0)
+    assert cache.lengths[slot] == p
+    causal = run_pieces(model, cache, [Piece(slot, block, True, True, rows)])[0]
+    torch.testing.assert_close(causal, ref[f"{tag}.logits_block_causal"][0], atol=1e-4, rtol=0)
+    assert cache.lengths[slot] == len(ids)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_one_at_a_time(engines, case):
+    out = engines[case["model"]].generate({"prompt_token_ids": case["prompt_ids"][0]},
+                                          params(case), use_tqdm=False)
+    check(out, [case])
+
+
+@pytest.mark.parametrize("tag", TAGS)
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_all_cases_of_a_loop_in_one_call(engines, tag, loop):
+    cases = [c for c in CASES if c["model"] == tag and c["decoder"] == loop]
+    check(engines[tag].generate([{"prompt_token_ids": c["prompt_ids"][0]} for c in cases],
+                                [params(c) for c in cases], use_tqdm=False), cases)
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_three_decodings_mixed_in_one_batch(engines, tag):
+    cases = [c for c in CASES if c["model"] == tag]
+    check(engines[tag].generate([{"prompt_token_ids": c["prompt_ids"][0]} for c in cases],
+                                [params(c) for c in cases], use_tqdm=False), cases)
+
+
+def test_linear_spec_batch_16_equals_batch_1(engines):
+    """Sixteen self-speculating requests (random prompts, two thresholds, blocks 4 and 8) in
+    one batch: each gets its batch-1 tokens and NFE; the metrics report acceptance."""
+    llm = engines["model_long"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": [1] + torch.randint(12, 160, (int(n),), generator=gen)
+                .tolist()} for n in torch.randint(4, 30, (16,), generator=gen)]
+    sps = [SamplingParams(max_tokens=40, block_length=(4, 8)[i % 2], decoding="linear_spec",
+                          decoding_params={"threshold": (0.0, 0.6)[i // 8]})
+           for i in range(16)]
+    batched = llm.generate(prompts, sps, use_tqdm=False)
+    for prompt, sp, out in zip(prompts, sps, batched):
+        alone = llm.generate(prompt, sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert out.metrics.nfe == alone.metrics.nfe
+        assert len(out.outputs[0].token_ids) <= 40
+        m = out.metrics
+        assert m.verifies >= 1 and m.verifies <= m.accepted_tokens <= m.verifies * sp.block_length
+
+
+def test_bad_knobs_are_refused():
+    with pytest.raises(ValueError, match="threshold"):
+        SamplingParams(decoding="nemotron", decoding_params={"threshold": 1.5})
+    with pytest.raises(ValueError, match="end_think_token_id"):
+        SamplingParams(decoding="nemotron", decoding_params={"max_thinking_tokens": 3})
+    with pytest.raises(ValueError, match="not valid"):
+        SamplingParams(decoding="ar", decoding_params={"threshold": 0.5})
