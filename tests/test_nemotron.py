@@ -168,3 +168,25 @@ def test_bad_knobs_are_refused():
         SamplingParams(decoding="nemotron", decoding_params={"max_thinking_tokens": 3})
     with pytest.raises(ValueError, match="not valid"):
         SamplingParams(decoding="ar", decoding_params={"threshold": 0.5})
+
+
+def test_prefix_caching_saves_rows_and_changes_no_token():
+    """Requests sharing a 40-token prefix (three decodings): with the prefix cache on, later
+    ones restore its page-aligned K/V and run only the rest; every token and NFE as without."""
+    gen = torch.Generator().manual_seed(1)
+    shared = [1] + torch.randint(12, 160, (39,), generator=gen).tolist()
+    prompts = [{"prompt_token_ids": shared + torch.randint(12, 160, (k,), generator=gen)
+                .tolist()} for k in (1, 5, 17, 9)]
+    sps = [SamplingParams(max_tokens=16, block_length=4, decoding=d)
+           for d in ("nemotron", "ar", "linear_spec", "nemotron")]
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(DIR / "model_long"), dtype="float32", kv_cache_memory_bytes=8 << 20,
+                  enable_prefix_caching=on)
+        first = llm.generate(prompts[:1], sps[:1], use_tqdm=False)
+        outs[on] = first + llm.generate(prompts[1:], sps[1:], use_tqdm=False)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.metrics.nfe == b.metrics.nfe
+    assert [o.metrics.cached_prompt_tokens for o in outs[True]] == [0, 32, 32, 32]
+    assert all(o.metrics.cached_prompt_tokens == 0 for o in outs[False])

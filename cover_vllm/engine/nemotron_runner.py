@@ -18,7 +18,8 @@ from collections import deque
 import torch
 
 from cover_vllm.engine.setup import prompt_ids
-from cover_vllm.models.nemotron_cache import SlotCache, run_pieces
+from cover_vllm.engine.setup import prefix_caching
+from cover_vllm.models.nemotron_cache import PrefixStore, SlotCache, run_pieces
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
@@ -41,6 +42,8 @@ class NemotronRunner:
         self.cache = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
                                param.dtype, param.device)
         self.max_num_seqs = engine.config.max_num_seqs
+        self.prefixes = (PrefixStore(engine.config.page_size)
+                         if prefix_caching(engine.config, self.spec) else None)
 
     def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
         """The state machine of one request (ValueError / TypeError for bad input)."""
@@ -70,12 +73,20 @@ class NemotronRunner:
         while waiting or running:
             while waiting and len(running) < self.max_num_seqs:
                 item = waiting.popleft()
-                item[2].slot = self.cache.allocate(item[2].capacity())
+                loop = item[2]
+                loop.slot = self.cache.allocate(loop.capacity())
+                if self.prefixes is not None and loop.causal_prefill:
+                    loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
                 running.append(item)
             logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in running])
             still = []
             for item, rows in zip(running, logits):
-                item[2].absorb(rows, self.cache)
+                loop = item[2]
+                loop.absorb(rows, self.cache)
+                if self.prefixes is not None and loop.causal_prefill and not loop.indexed \
+                        and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
+                    self.prefixes.insert(self.cache, loop.slot, loop.job.prompt)
+                    loop.indexed = True
                 if item[2].finished:
                     self.cache.release(item[2].slot)
                     done[item[0]] = self._output(item, time.perf_counter() - started)
@@ -91,7 +102,9 @@ class NemotronRunner:
         out_text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
         metrics = RequestMetrics(nfe=loop.nfe, steps=loop.nfe, decoded_tokens=len(tokens),
                                  tokens_per_step=len(tokens) / max(loop.nfe, 1),
-                                 latency_s=latency)
+                                 latency_s=latency, cached_prompt_tokens=loop.cached,
+                                 prefix_query_tokens=len(loop.job.prompt) if
+                                 self.prefixes is not None and loop.causal_prefill else 0)
         if loop.accepted:
             metrics.accepted_tokens = sum(loop.accepted)
             metrics.verifies = len(loop.accepted)

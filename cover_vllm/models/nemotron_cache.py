@@ -166,3 +166,51 @@ def _adapter_rows(pieces: list[Piece], n: int, device) -> torch.Tensor | None:
         return None
     flags = torch.tensor([p.adapter for p in pieces], device=device)
     return flags[:, None].expand(len(pieces), n).reshape(-1)
+
+
+class PrefixStore:
+    """Prefix caching for causal prefills: the K/V of a causally prefilled prompt depend only on
+    its tokens, so a later prompt sharing a page-aligned prefix copies them instead of running
+    those rows (at least its last token is always run: its logit is needed). Holds the
+    `max_entries` most recent prompts' K/V (copies, independent of the slots)."""
+
+    def __init__(self, page_size: int, max_entries: int = 64):
+        self.page_size, self.max_entries = page_size, max_entries
+        self.entries: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def insert(self, cache: SlotCache, slot: int, prompt: list[int]) -> None:
+        """Keep the page-aligned prefix of `prompt`, whose K/V are `slot`'s first positions."""
+        n = len(prompt) // self.page_size * self.page_size
+        key = tuple(prompt[:n])
+        if n == 0 or any(k[:n] == key for k, _, _ in self.entries):
+            return
+        self.entries.append((key, [k[slot, :, :n].clone() for k in cache.k],
+                             [v[slot, :, :n].clone() for v in cache.v]))
+        if len(self.entries) > self.max_entries:
+            self.entries.pop(0)
+
+    def restore(self, cache: SlotCache, slot: int, prompt: list[int]) -> int:
+        """Copy the longest stored page-aligned prefix of `prompt` (shorter than it) into
+        `slot`; returns its length (0: none)."""
+        best, found = 0, None
+        for entry in self.entries:
+            n = _common(entry[0], prompt)
+            n = min(n, len(prompt) - 1) // self.page_size * self.page_size
+            if n > best:
+                best, found = n, entry
+        if found is None:
+            return 0
+        for layer, (k, v) in enumerate(zip(found[1], found[2])):
+            cache.k[layer][slot, :, :best] = k[:, :best]
+            cache.v[layer][slot, :, :best] = v[:, :best]
+        cache.lengths[slot] = best
+        return best
+
+
+def _common(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -112,6 +112,8 @@ class Loop:
         self.nfe = 0
         self.finished = self.stopped = False
         self.slot = -1
+        self.cached = 0                         # prompt positions restored from the prefix cache
+        self.indexed = False                    # its prompt's K/V are in the prefix cache
         self.accepted: list[int] = []           # linear_spec: tokens accepted per verify
 
     def capacity(self) -> int:
@@ -135,6 +137,16 @@ class Loop:
                 self.stopped = True
                 return out[:i + 1]
         return out
+
+    def prefill_piece(self, causal: bool, want_logit: bool) -> Piece:
+        """The prompt's rows not restored from the prefix cache, written."""
+        rest = self.job.prompt[self.cached:]
+        return Piece(self.slot, rest, causal, True, [len(rest) - 1] if want_logit else [])
+
+    @property
+    def causal_prefill(self) -> bool:
+        """Whether the prefill is causal (so its K/V may come from the prefix cache)."""
+        return True
 
     def _think_due(self, seen: list[int]) -> bool:
         p = self.params
@@ -160,8 +172,7 @@ class BlockLoop(Loop):
     def next_piece(self) -> Piece:
         cc, b = self.params.causal_context, self.job.block_length
         if self.phase == "prefill":
-            rows = [len(self.job.prompt) - 1] if cc else []
-            return Piece(self.slot, self.job.prompt, cc, True, rows)
+            return self.prefill_piece(cc, cc)
         tokens = self.block.tolist()
         if self.phase == "commit":
             return Piece(self.slot, tokens, cc, True, [b - 1] if cc else [])
@@ -186,6 +197,10 @@ class BlockLoop(Loop):
                 self.finished = True
             else:
                 self._start_block()
+
+    @property
+    def causal_prefill(self) -> bool:
+        return self.params.causal_context
 
     def _masked(self) -> torch.Tensor:
         return self.block == self.job.mask_id
@@ -232,7 +247,7 @@ class ARLoop(Loop):
 
     def next_piece(self) -> Piece:
         if not self.generated:
-            return Piece(self.slot, self.job.prompt, True, True, [len(self.job.prompt) - 1])
+            return self.prefill_piece(True, True)
         return Piece(self.slot, self.generated[-1:], True, True, [0])
 
     def absorb(self, logits: torch.Tensor, cache=None) -> None:
@@ -262,7 +277,7 @@ class SpecLoop(Loop):
     def next_piece(self) -> Piece:
         b = self.job.block_length
         if self.phase == "prefill":
-            return Piece(self.slot, self.job.prompt, True, True, [len(self.job.prompt) - 1])
+            return self.prefill_piece(True, True)
         if self.phase == "draft":
             return Piece(self.slot, self.block.tolist(), False, False, list(range(b)),
                          adapter=True)
