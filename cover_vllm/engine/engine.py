@@ -88,6 +88,7 @@ class Engine:
         self.config = config = config.with_overrides(
             kv_cache_memory_bytes=self.memory.budget_bytes)
         self.tokenizer_dir = resolved.tokenizer_dir
+        self.model_path = resolved.path                        # None: a weightless shape
         self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir,
                                                required=config.tokenizer is not None)
         if self.tokenizer is None:

@@ -19,6 +19,7 @@ import torch
 
 from cover_vllm.engine.setup import prompt_ids
 from cover_vllm.engine.setup import prefix_caching
+from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.models.nemotron_cache import PrefixStore, SlotCache, run_pieces
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
@@ -42,6 +43,9 @@ class NemotronRunner:
         self.cache = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
                                param.dtype, param.device)
         self.max_num_seqs = engine.config.max_num_seqs
+        # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
+        self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
+            self.model, engine.model_path)
         self.prefixes = (PrefixStore(engine.config.page_size)
                          if prefix_caching(engine.config, self.spec) else None)
 
