@@ -123,11 +123,7 @@ class LLM:
         causal = [(p.decoding or default) in CAUSAL_DECODERS for p in params]
         if not any(causal):
             return self._add_and_run(prompts, params, use_tqdm, "Generating")
-        from cover_vllm.engine.nemotron_runner import NemotronRunner
-
-        if getattr(self, "_causal_runner", None) is None:
-            self._causal_runner = NemotronRunner(self.engine)
-        runner = self._causal_runner
+        runner = self._nemotron_runner()
         jobs = [(f"req-{next(self._ids)}", *runner.make_loop(pr, p, default))
                 for pr, p, c in zip(prompts, params, causal) if c]
         rest = [(pr, p) for pr, p, c in zip(prompts, params, causal) if not c]
@@ -135,6 +131,14 @@ class LLM:
                                         "Generating") if rest else [])
         done = iter(runner.generate(jobs))
         return [next(done) if c else next(others) for c in causal]
+
+    def _nemotron_runner(self):
+        """The runner of the causal-commit decodings (built on first use)."""
+        if getattr(self, "_causal_runner", None) is None:
+            from cover_vllm.engine.nemotron_runner import NemotronRunner
+
+            self._causal_runner = NemotronRunner(self.engine)
+        return self._causal_runner
 
     def _add_prompt_logprobs(self, wanted: list[tuple[RequestOutput, int]],
                              use_tqdm: bool) -> None:
@@ -196,6 +200,11 @@ class LLM:
                              "requests")
         if not all(isinstance(p, LoglikelihoodParams) for p in params):
             raise TypeError("params must be LoglikelihoodParams (or a list of them)")
+        if self.engine.spec.family == "nemotron_labs_diffusion":   # exact, causal
+            from cover_vllm.engine.nemotron_scoring import causal_loglikelihood
+
+            return causal_loglikelihood(self._nemotron_runner(), requests, params,
+                                        [f"req-{next(self._ids)}" for _ in requests])
         return self._add_and_run(requests, params, use_tqdm, "Scoring")
 
     def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, desc: str) -> list:

@@ -190,3 +190,34 @@ def test_prefix_caching_saves_rows_and_changes_no_token():
         assert a.metrics.nfe == b.metrics.nfe
     assert [o.metrics.cached_prompt_tokens for o in outs[True]] == [0, 32, 32, 32]
     assert all(o.metrics.cached_prompt_tokens == 0 for o in outs[False])
+
+
+def test_loglikelihood_is_the_exact_causal_one(engines):
+    """log p(continuation | context) from one causal forward: equal to the dense causal
+    logits' log-softmax summed, is_greedy from their argmax; batched equals alone."""
+    llm, model = engines["model_long"], golden_model("model_long")
+    reqs = [{"context_token_ids": [1, 20, 30, 40], "continuation_token_ids": [50, 60, 70]},
+            {"context_token_ids": [1] + list(range(12, 60)), "continuation_token_ids": [99]}]
+    from cover_vllm import LoglikelihoodParams
+    outs = llm.loglikelihood(reqs, LoglikelihoodParams(logprobs=None), use_tqdm=False)
+    for req, out in zip(reqs, outs):
+        c, x = req["context_token_ids"], req["continuation_token_ids"]
+        logp = torch.log_softmax(model(torch.tensor([c + x]), causal=True)[0], -1)
+        rows = logp[len(c) - 1:len(c) + len(x) - 1]
+        want = rows.gather(-1, torch.tensor(x)[:, None])[:, 0]
+        assert out.logprob == pytest.approx(float(want.sum()), abs=1e-4)
+        assert out.is_greedy == bool((rows.argmax(-1) == torch.tensor(x)).all())
+        alone = llm.loglikelihood(req, use_tqdm=False)[0]
+        assert alone.logprob == pytest.approx(out.logprob, abs=1e-5)
+    with pytest.raises(ValueError, match="context"):
+        llm.loglikelihood({"context_token_ids": [], "continuation_token_ids": [5]})
+
+
+def test_unsupported_fields_are_refused(engines):
+    llm = engines["model"]
+    with pytest.raises(ValueError, match="structured_outputs"):
+        llm.generate([1, 2, 3], SamplingParams(decoding="ar", structured_outputs={
+            "regex": "[0-9]+"}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate([1, 2, 3], SamplingParams(decoding="linear_spec", logprobs=2),
+                     use_tqdm=False)

@@ -52,6 +52,7 @@ class NemotronRunner:
     def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
         """The state machine of one request (ValueError / TypeError for bad input)."""
         name = params.decoding or default
+        _refuse_unsupported(name, params)
         text, ids = prompt_ids(prompt, self.spec.vocab_size, self.engine.tokenize)
         knobs = make_params(name, params.decoding_params)
         block = params.block_length or self.spec.default_block_length
@@ -115,3 +116,23 @@ class NemotronRunner:
         reason = "stop" if loop.stopped else "length"
         return RequestOutput(rid, text, list(loop.job.prompt),
                              [CompletionOutput(0, out_text, tokens, reason)], True, metrics)
+
+
+def _refuse_unsupported(name: str, params: SamplingParams) -> None:
+    """ValueError naming a SamplingParams field these decodings do not honour (rather than
+    ignoring it)."""
+    if params.structured_outputs is not None:
+        raise ValueError(
+            f"structured_outputs is not supported with decoding={name!r}: its blocks (or "
+            "speculative drafts) fill several positions per forward and commit them causally, "
+            "so a grammar would have to be enforced inside the official unmasking and "
+            "acceptance rules, which changes their tokens; generate unconstrained and validate")
+    unsupported = {"n > 1": params.n != 1, "logprobs": params.logprobs is not None,
+                   "stop (strings)": bool(params.stop),
+                   "min_tokens": params.min_tokens > 0,
+                   "penalties": (params.presence_penalty, params.frequency_penalty,
+                                 params.repetition_penalty) != (0.0, 0.0, 1.0)}
+    given = [k for k, v in unsupported.items() if v]
+    if given:
+        raise ValueError(f"decoding={name!r} does not support {', '.join(given)} yet; use "
+                         "stop_token_ids, or a masked-diffusion decoder")
