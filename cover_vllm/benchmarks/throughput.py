@@ -137,6 +137,8 @@ def default_decodings(model: str) -> tuple[str, ...]:
     """The bench's decoders when none are given: low_confidence, or a uniform-state model's
     own (the only kind it can run)."""
     spec = ModelSpec.from_config(resolve_model(model).config)
+    if spec.family == "nemotron_labs_diffusion":
+        return ("nemotron", "ar", "linear_spec")
     return (spec.default_decoding,) if spec.uniform_state else ("low_confidence",)
 
 
@@ -291,6 +293,11 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
               "quantization": spec.quantization}
     if not spec.decodings:
         spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
+    if model_spec.family == "nemotron_labs_diffusion":    # its three decodings side by side
+        from cover_vllm.benchmarks.nemotron import run_nemotron_throughput
+
+        return run_nemotron_throughput(spec, report, [dtype_name(d) for d in dtypes],
+                                       load_format, threads, log)
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]
