@@ -70,6 +70,7 @@ class ThroughputSpec:
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
     enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
+    load_format: str = "auto"        # "dummy": random weights (a built-in shape always)
 
 
 @dataclass
@@ -288,7 +289,7 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     model_spec = ModelSpec.from_config(resolved.config)
     dtypes = [resolve_dtype(d, model_spec, spec.device) for d in dict.fromkeys(spec.dtypes)]
     machine = machine_info(tuple(dtypes), device=spec.device)
-    load_format = "dummy" if resolved.path is None else "auto"
+    load_format = "dummy" if resolved.path is None or spec.load_format == "dummy" else "auto"
     report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
               "quantization": spec.quantization}
     if not spec.decodings:

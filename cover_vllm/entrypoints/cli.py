@@ -105,7 +105,8 @@ def _bench_spec(args: argparse.Namespace):
                           quantization=args.quantization, device=args.device,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           count_ops=getattr(args, "count_ops", False),
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager,
+                          load_format=getattr(args, "load_format", "auto"))
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
@@ -295,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes, comma-separated")
     t.add_argument("--num-prompts", type=positive_int, default=None,
                    help="default: 2 x batch size")
+    t.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights (always so for a built-in shape)")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
     t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,

@@ -44,6 +44,7 @@ class BlockCausal:
 
     config_key: str | None = None
     default: int | None = None
+    causal_commit: bool = False      # AttentionKind.causal_commit
 
     def __call__(self, config: Config) -> AttentionKind:
         size = config.get(self.config_key) if self.config_key else None
@@ -51,7 +52,7 @@ class BlockCausal:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"config.json {self.config_key or 'block size'}={size!r}: a "
                              "block-causal model needs an int block size >= 1")
-        return AttentionKind("block_causal", size)
+        return AttentionKind("block_causal", size, self.causal_commit)
 
 
 def no_fused_tensors(config: Config) -> dict[str, tuple[int, ...]]:
@@ -148,7 +149,7 @@ FAMILIES: tuple[Family, ...] = (
     # (`nemotron`, `ar`, `linear_spec`: models/nemotron_decode.py) commit each block causally
     Family("nemotron_labs_diffusion", ("nemotron_labs_diffusion",),
            ("cover_vllm.models.nemotron", "NemotronLabsDiffusionModel"),
-           "NemotronLabsDiffusionModel", attention=BlockCausal("block_size", default=32),
+           "NemotronLabsDiffusionModel", attention=BlockCausal("block_size", default=32, causal_commit=True),
            default_decoding="nemotron",
            shapes={"nemotron-diffusion-3b": configs.NEMOTRON_DIFFUSION_3B,
                    "nemotron-diffusion-8b": configs.NEMOTRON_DIFFUSION_8B,

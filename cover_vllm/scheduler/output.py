@@ -57,6 +57,8 @@ class WorkItem:
                                                    # zero logits (cache_refresh.py)
     causal_block: int | None = None           # block-causal attention with this block size:
                                               # a row at p sees keys < (p // B + 1) * B
+    causal_commit: bool = False               # ... except rows before the window's last block,
+                                              # which see keys <= p (a causal commit)
 
     def attention_pairs(self) -> int:
         """Query-key pairs one canvas copy's window attends over (its visible keys per row)."""
