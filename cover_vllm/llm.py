@@ -106,39 +106,15 @@ class LLM:
         if any(scored) and self.engine.spec.uniform_state:
             raise ValueError(f"SamplingParams.prompt_logprobs: {self.engine.spec.family} has no "
                              "[MASK] token, so a prompt token has no masked-model likelihood")
-        outputs = self._generate(prompts, params, use_tqdm)
+        outputs = self._add_and_run(prompts, params, use_tqdm, "Generating")
         wanted = [(o, p.prompt_logprobs) for o, p, s in zip(outputs, params, scored) if s]
         if wanted:
             self._add_prompt_logprobs(wanted, use_tqdm)
         return outputs
 
-    def _generate(self, prompts: list, params: list[SamplingParams],
-                  use_tqdm: bool) -> list[RequestOutput]:
-        """The engine's requests, and those of a causal-commit decoding (Nemotron-Labs-
-        Diffusion's `nemotron` / `ar` / `linear_spec`: engine/nemotron_runner.py), merged in
-        prompt order."""
-        from cover_vllm.strategies import CAUSAL_DECODERS
-
-        default = self.engine.config.decoding
-        causal = [(p.decoding or default) in CAUSAL_DECODERS for p in params]
-        if not any(causal):
-            return self._add_and_run(prompts, params, use_tqdm, "Generating")
-        runner = self._nemotron_runner()
-        jobs = [(f"req-{next(self._ids)}", *runner.make_loop(pr, p, default))
-                for pr, p, c in zip(prompts, params, causal) if c]
-        rest = [(pr, p) for pr, p, c in zip(prompts, params, causal) if not c]
-        others = iter(self._add_and_run([pr for pr, _ in rest], [p for _, p in rest], use_tqdm,
-                                        "Generating") if rest else [])
-        done = iter(runner.generate(jobs))
-        return [next(done) if c else next(others) for c in causal]
-
     def _nemotron_runner(self):
-        """The runner of the causal-commit decodings (built on first use)."""
-        if getattr(self, "_causal_runner", None) is None:
-            from cover_vllm.engine.nemotron_runner import NemotronRunner
-
-            self._causal_runner = NemotronRunner(self.engine)
-        return self._causal_runner
+        """The engine's runner of the causal-commit decodings."""
+        return self.engine.causal_runner()
 
     def _add_prompt_logprobs(self, wanted: list[tuple[RequestOutput, int]],
                              use_tqdm: bool) -> None:

@@ -43,6 +43,7 @@ from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
+from cover_vllm.strategies import CAUSAL_DECODERS
 from cover_vllm.strategies.canvas import CanvasDecoder
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
@@ -111,6 +112,7 @@ class Engine:
         self._grammar_backend: GrammarBackend | None = None
         self.device = torch.device(rank_device(config.device, 0))   # where the logits live
         self.transfer = HostTransfer()           # the decisions' copy to the host, counted
+        self._causal_runner = None               # Nemotron's decodings (causal_runner())
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -140,6 +142,10 @@ class Engine:
             return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if (params.decoding or self.config.decoding) in CAUSAL_DECODERS:   # Nemotron's own
+            runner = self.causal_runner()
+            runner.add(request_id, *runner.make_loop(prompt, params, self.config.decoding))
+            return
         text, ids = prompt_ids(prompt, self.spec.vocab_size, self.tokenize)
         strategy = self.stage.strategy(params.decoding, params.decoding_params)
         check_decoder(strategy, self.spec, "decoding")
@@ -210,9 +216,20 @@ class Engine:
                 forbidden_ids=() if self.spec.uniform_state else (self.spec.mask_token_id,))
         return self._grammar_backend
 
+    def causal_runner(self):
+        """The runner of the causal-commit decodings (engine/nemotron_runner.py), built on
+        first use."""
+        if self._causal_runner is None:
+            from cover_vllm.engine.nemotron_runner import NemotronRunner
+
+            self._causal_runner = NemotronRunner(self)
+        return self._causal_runner
+
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids are
         ignored."""
+        if self._causal_runner is not None and self._causal_runner.abort(request_id):
+            return
         if self.scheduler.scoring.abort(request_id):
             return
         parent = self._parents.get(self._user_id(request_id))
@@ -228,7 +245,8 @@ class Engine:
             del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.scoring.has_unfinished()
+        return bool(self._requests) or self.scheduler.scoring.has_unfinished() or (
+            self._causal_runner is not None and self._causal_runner.has_unfinished())
 
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
@@ -254,11 +272,15 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
+        causal = (self._causal_runner.step() if self._causal_runner is not None
+                  and self._causal_runner.has_unfinished() else [])
+        if not (self._requests or self.scheduler.scoring.has_unfinished()):
+            return causal
         clock = StepClock.observed(self.device, self._observers, self.spec.vocab_size)
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
-            return []
+            return causal
         clock.lap("schedule")
         self._notify("on_schedule", out)
         clock.start_device()
@@ -281,7 +303,7 @@ class Engine:
                 clock, result.prepare_s, out,
                 host_copies=result.host_copies + self.transfer.copies - copies,
                 host_bytes=result.host_bytes + self.transfer.bytes - moved))
-        return outputs
+        return outputs + causal
 
     def schedule(self) -> SchedulerOutput:
         """Admit what the pages allow, ask every running request's strategy for its plan

@@ -6,8 +6,10 @@ step, a block's causal commit, an AR token, a draft or a verify, mixed), hands e
 logits, and admits waiting requests into freed slots (at most `max_num_seqs` run). A request's
 tokens do not depend on the batch: its pieces see only its own cache slot.
 
-It reuses the engine's loaded model (the same weights, dtype and device); it runs in the
-driver's process, so it serves tensor_parallel_size=1.
+It reuses the engine's loaded model (the same weights, dtype and device) and is driven by
+the engine (`Engine.add_request` / `step` / `abort_request`), so `LLM`, the server and the
+benchmarks reach it like any decoder; it runs in the driver's process (tensor_parallel_size=1).
+Its slot cache is allocated beside the engine's paged pool, on demand.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class NemotronRunner:
         self.cache = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
                                param.dtype, param.device)
         self.max_num_seqs = engine.config.max_num_seqs
+        self.waiting: deque[tuple[str, str | None, Loop]] = deque()
+        self.running: list[tuple[str, str | None, Loop]] = []
+        self._known: set[str] = set()
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
         self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
             self.model, engine.model_path)
@@ -70,34 +75,66 @@ class NemotronRunner:
                   tuple(eos) + tuple(params.stop_token_ids or ()), params.temperature, gen)
         return text, LOOPS[name](job, knobs)
 
+    def add(self, request_id: str, text: str | None, loop: Loop) -> None:
+        """Queue a request (built by `make_loop`)."""
+        if request_id in self._known:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        loop.arrival = time.perf_counter()
+        self._known.add(request_id)
+        self.waiting.append((request_id, text, loop))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; whether it was one of this runner's."""
+        if request_id not in self._known:
+            return False
+        self._known.discard(request_id)
+        self.waiting = deque(r for r in self.waiting if r[0] != request_id)
+        for item in [r for r in self.running if r[0] == request_id]:
+            self.cache.release(item[2].slot)
+            self.running.remove(item)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
     @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots, forward one piece of every running request
+        in one batch, and return the outputs of those that finished."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            item = self.waiting.popleft()
+            loop = item[2]
+            loop.slot = self.cache.allocate(loop.capacity())
+            if self.prefixes is not None and loop.causal_prefill:
+                loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
+            self.running.append(item)
+        if not self.running:
+            return []
+        logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in self.running])
+        still, finished = [], []
+        for item, rows in zip(self.running, logits):
+            loop = item[2]
+            loop.absorb(rows, self.cache)
+            if self.prefixes is not None and loop.causal_prefill and not loop.indexed \
+                    and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
+                self.prefixes.insert(self.cache, loop.slot, loop.job.prompt)
+                loop.indexed = True
+            if loop.finished:
+                self.cache.release(loop.slot)
+                self._known.discard(item[0])
+                finished.append(self._output(item, time.perf_counter() - loop.arrival))
+            else:
+                still.append(item)
+        self.running = still
+        return finished
+
     def generate(self, requests: list[tuple[str, str | None, Loop]]) -> list[RequestOutput]:
         """Run (request id, prompt text, loop) to completion; outputs in the given order."""
-        waiting, running, done = deque(requests), [], {}
-        started = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < self.max_num_seqs:
-                item = waiting.popleft()
-                loop = item[2]
-                loop.slot = self.cache.allocate(loop.capacity())
-                if self.prefixes is not None and loop.causal_prefill:
-                    loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
-                running.append(item)
-            logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in running])
-            still = []
-            for item, rows in zip(running, logits):
-                loop = item[2]
-                loop.absorb(rows, self.cache)
-                if self.prefixes is not None and loop.causal_prefill and not loop.indexed \
-                        and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
-                    self.prefixes.insert(self.cache, loop.slot, loop.job.prompt)
-                    loop.indexed = True
-                if item[2].finished:
-                    self.cache.release(item[2].slot)
-                    done[item[0]] = self._output(item, time.perf_counter() - started)
-                else:
-                    still.append(item)
-            running = still
+        for item in requests:
+            self.add(*item)
+        done = {}
+        while self.has_unfinished():
+            done.update((o.request_id, o) for o in self.step())
         return [done[rid] for rid, _, _ in requests]
 
     def _output(self, item: tuple[str, str | None, Loop], latency: float) -> RequestOutput:

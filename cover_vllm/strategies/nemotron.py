@@ -115,6 +115,7 @@ class Loop:
         self.cached = 0                         # prompt positions restored from the prefix cache
         self.indexed = False                    # its prompt's K/V are in the prefix cache
         self.accepted: list[int] = []           # linear_spec: tokens accepted per verify
+        self.arrival = 0.0                      # perf_counter() when queued
 
     def capacity(self) -> int:
         """Cache positions this request may write (prompt, canvas and a spare block)."""
