@@ -47,6 +47,12 @@ class _RatioCollector:
                                  "(block-causal models; finished requests)")
         rate.add_metric([], hits / queries if queries else 0.0)
         yield rate
+        accepted, verifies = self.metrics.spec_accepted_sum, self.metrics.spec_verify_sum
+        spec = GaugeMetricFamily(PREFIX + "spec_acceptance_length",
+                                 "Self-speculation (decoding=linear_spec): tokens accepted per "
+                                 "verify, bonus included (finished requests)")
+        spec.add_metric([], accepted / verifies if verifies else 0.0)
+        yield spec
 
 
 class _ReplicaCollector:
@@ -87,6 +93,8 @@ class ServerMetrics:
         self.decoded_sum = 0
         self.prefix_hit_sum = 0
         self.prefix_query_sum = 0
+        self.spec_accepted_sum = 0
+        self.spec_verify_sum = 0
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests that ended, by outcome",
@@ -111,6 +119,10 @@ class ServerMetrics:
                                       "up in the prefix cache", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens whose K/V came "
                                    "from the prefix cache", registry=r)
+        self.spec_verifies = Counter(PREFIX + "spec_verifies", "Self-speculation verifies "
+                                     "(decoding=linear_spec) of finished requests", registry=r)
+        self.spec_accepted = Counter(PREFIX + "spec_accepted_tokens", "Tokens those verifies "
+                                     "accepted, bonus included", registry=r)
         self.kv_pages_used = Gauge(PREFIX + "kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_pages_total = Gauge(PREFIX + "kv_pages_total", "KV cache pages in the pool",
                                     registry=r)
@@ -143,6 +155,11 @@ class ServerMetrics:
         self.prefix_hits.inc(m.cached_prompt_tokens)
         self.prefix_query_sum += m.prefix_query_tokens
         self.prefix_hit_sum += m.cached_prompt_tokens
+        if m.verifies:
+            self.spec_verifies.inc(m.verifies)
+            self.spec_accepted.inc(m.accepted_tokens)
+            self.spec_verify_sum += m.verifies
+            self.spec_accepted_sum += m.accepted_tokens
 
     def on_outcome(self, outcome: str) -> None:
         """A request that ended without output: 'abort' (client gone) or 'error'."""
