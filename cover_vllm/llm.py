@@ -176,7 +176,7 @@ class LLM:
                              "requests")
         if not all(isinstance(p, LoglikelihoodParams) for p in params):
             raise TypeError("params must be LoglikelihoodParams (or a list of them)")
-        if self.engine.spec.family == "nemotron_labs_diffusion":   # exact, causal
+        if self.engine.spec.attention.causal_commit:   # Nemotron: exact, causal
             from cover_vllm.engine.nemotron_scoring import causal_loglikelihood
 
             return causal_loglikelihood(self._nemotron_runner(), requests, params,

@@ -138,7 +138,7 @@ def default_decodings(model: str) -> tuple[str, ...]:
     """The bench's decoders when none are given: low_confidence, or a uniform-state model's
     own (the only kind it can run)."""
     spec = ModelSpec.from_config(resolve_model(model).config)
-    if spec.family == "nemotron_labs_diffusion":
+    if spec.attention.causal_commit:          # Nemotron-Labs-Diffusion: its three decodings
         return ("nemotron", "ar", "linear_spec")
     return (spec.default_decoding,) if spec.uniform_state else ("low_confidence",)
 
@@ -294,7 +294,7 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
               "quantization": spec.quantization}
     if not spec.decodings:
         spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
-    if model_spec.family == "nemotron_labs_diffusion":    # its three decodings side by side
+    if model_spec.attention.causal_commit:    # Nemotron: its three decodings side by side
         from cover_vllm.benchmarks.nemotron import run_nemotron_throughput
 
         return run_nemotron_throughput(spec, report, [dtype_name(d) for d in dtypes],
