@@ -2,8 +2,9 @@
 skipped under 4.x: scripts/test_transformers5.sh runs it), at sizes and lengths the golden
 vectors do not cover: a random config with YaRN and the Llama-4 q scale acting (a small
 `original_max_position_embeddings`), fp32 logits of both attention modes over 150 positions,
-and 40 greedy `ar` tokens against a greedy loop over transformers' KV cache (the official
-`ar_generate`)."""
+and 40 greedy `ar` (and `linear_spec`) tokens against a greedy loop over transformers' KV
+cache (the official `ar_generate`). Run: `PYTHONPATH=<transformers 5 site> pytest
+tests/test_nemotron_transformers5.py` or scripts/test_transformers5.sh."""
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_logits_both_modes_150_positions(tmp_path):
     model = ours(enc, head, tmp_path / "m")
     ids = torch.randint(12, 200, (1, 150), generator=torch.Generator().manual_seed(1))
     causal = head(enc(input_ids=ids).last_hidden_state)
-    full = head(enc(input_ids=ids, attention_mask=torch.ones(1, 1, 150, 150)).last_hidden_state)
+    every_key = torch.zeros(1, 1, 150, 150)          # an additive 4-D mask of 0: no mask
+    full = head(enc(input_ids=ids, attention_mask=every_key).last_hidden_state)
     torch.testing.assert_close(model(ids, causal=True), causal, atol=1e-4, rtol=0)
     torch.testing.assert_close(model(ids), full, atol=1e-4, rtol=0)
 
@@ -91,3 +93,7 @@ def test_ar_40_tokens_against_a_kv_cache_loop(tmp_path):
     llm = LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory_bytes=8 << 20)
     got = llm.generate(prompt, SamplingParams(max_tokens=40, decoding="ar"), use_tqdm=False)[0]
     assert got.outputs[0].token_ids == out
+    if 100 not in out:        # greedy self-speculation keeps the causal argmax: the same tokens
+        spec = llm.generate(prompt, SamplingParams(max_tokens=40, block_length=8,
+                                                   decoding="linear_spec"), use_tqdm=False)[0]
+        assert spec.outputs[0].token_ids == out
