@@ -221,3 +221,16 @@ def test_unsupported_fields_are_refused(engines):
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate([1, 2, 3], SamplingParams(decoding="linear_spec", logprobs=2),
                      use_tqdm=False)
+
+
+def test_sampling_is_seeded_and_lengths_need_no_whole_blocks(engines):
+    """temperature > 0 (Gumbel-max in float64): the same seed gives the same tokens, alone or
+    batched; max_tokens that is not a multiple of the block is cut to max_tokens."""
+    llm = engines["model_long"]
+    for decoding in ("nemotron", "ar", "linear_spec"):
+        sp = SamplingParams(max_tokens=13, block_length=4, temperature=0.8, seed=3,
+                            decoding=decoding, ignore_eos=True)
+        a = llm.generate([[1, 20, 30], [1, 40]], sp, use_tqdm=False)
+        b = llm.generate([1, 20, 30], sp, use_tqdm=False)[0]
+        assert a[0].outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(len(o.outputs[0].token_ids) == 13 for o in a)

@@ -66,13 +66,10 @@ class NemotronRunner:
         if len(ids) + params.max_tokens + 2 * block > self.spec.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"+ two blocks exceed max_model_len={self.spec.max_model_len}")
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                else self.engine.config.seed)
+        seed = params.seed if params.seed is not None else self.engine.config.seed
         eos = () if params.ignore_eos else self.spec.eos_token_ids
         job = Job(ids, params.max_tokens, block, self.spec.mask_token_id,
-                  tuple(eos) + tuple(params.stop_token_ids or ()), params.temperature, gen)
+                  tuple(eos) + tuple(params.stop_token_ids or ()), params.temperature, seed)
         return text, LOOPS[name](job, knobs)
 
     def add(self, request_id: str, text: str | None, loop: Loop) -> None:

@@ -100,7 +100,7 @@ class Job:
     mask_id: int
     eos_ids: tuple[int, ...]
     temperature: float = 0.0
-    generator: torch.Generator | None = None
+    seed: int = 0                     # temperature > 0: the request's generator's seed
 
 
 class Loop:
@@ -116,19 +116,30 @@ class Loop:
         self.indexed = False                    # its prompt's K/V are in the prefix cache
         self.accepted: list[int] = []           # linear_spec: tokens accepted per verify
         self.arrival = 0.0                      # perf_counter() when queued
+        self._gen: torch.Generator | None = None
 
     def capacity(self) -> int:
         """Cache positions this request may write (prompt, canvas and a spare block)."""
         return len(self.job.prompt) + self.job.max_tokens + 2 * self.job.block_length + 1
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """Argmax per row, or Gumbel-max in float64 with temperature > 0 (the official
-        `_add_gumbel_noise`, from this request's generator)."""
+        """[rows] host token ids: argmax per row, or Gumbel-max in float64 with temperature > 0
+        (the official `_add_gumbel_noise`, from this request's own generator on the logits'
+        device). Only the row values cross to the host."""
         t = self.job.temperature
         if t <= 0:
-            return logits.argmax(-1)
-        noise = torch.rand(logits.shape, dtype=torch.float64, generator=self.job.generator)
-        return (logits.double().exp() / (-noise.log()) ** t).argmax(-1)
+            return logits.argmax(-1).cpu()
+        if self._gen is None:
+            self._gen = torch.Generator(device=logits.device).manual_seed(self.job.seed)
+        noise = torch.rand(logits.shape, dtype=torch.float64, generator=self._gen,
+                           device=logits.device)
+        return (logits.double().exp() / (-noise.log()) ** t).argmax(-1).cpu()
+
+    @staticmethod
+    def confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[rows] host softmax probability of `tokens` (host ids) under `logits`."""
+        index = tokens.to(logits.device)[:, None]
+        return torch.softmax(logits, -1).gather(-1, index)[:, 0].cpu()
 
     def output(self) -> list[int]:
         """The generated tokens through the first EOS, at most max_tokens."""
@@ -225,7 +236,7 @@ class BlockLoop(Loop):
     def _unmask(self, logits: torch.Tensor) -> None:
         mask = self._masked()
         x0 = self.pick(logits)
-        conf = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
+        conf = self.confidence(logits, x0)
         conf = torch.where(mask, conf, torch.tensor(float("-inf")))
         threshold = self.params.threshold
         k = int(mask.sum()) if threshold is not None else self.schedule[self.step]
@@ -309,7 +320,7 @@ class SpecLoop(Loop):
         mask = self.block == self.job.mask_id
         tokens = self.pick(logits)
         if self.params.threshold > 0:
-            conf = torch.softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+            conf = self.confidence(logits, tokens)
             conf = torch.where(mask, conf, torch.tensor(float("-inf")))
             unmask = conf >= self.params.threshold
             if not bool(unmask.any()):
