@@ -112,10 +112,6 @@ class LLM:
             self._add_prompt_logprobs(wanted, use_tqdm)
         return outputs
 
-    def _nemotron_runner(self):
-        """The engine's runner of the causal-commit decodings."""
-        return self.engine.causal_runner()
-
     def _add_prompt_logprobs(self, wanted: list[tuple[RequestOutput, int]],
                              use_tqdm: bool) -> None:
         """vLLM's prompt_logprobs on each (output, k): token i's log p(x_i | x_<i), exact, from
@@ -176,11 +172,6 @@ class LLM:
                              "requests")
         if not all(isinstance(p, LoglikelihoodParams) for p in params):
             raise TypeError("params must be LoglikelihoodParams (or a list of them)")
-        if self.engine.spec.attention.causal_commit:   # Nemotron: exact, causal
-            from cover_vllm.engine.nemotron_scoring import causal_loglikelihood
-
-            return causal_loglikelihood(self._nemotron_runner(), requests, params,
-                                        [f"req-{next(self._ids)}" for _ in requests])
         return self._add_and_run(requests, params, use_tqdm, "Scoring")
 
     def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, desc: str) -> list:

@@ -234,3 +234,17 @@ def test_sampling_is_seeded_and_lengths_need_no_whole_blocks(engines):
         b = llm.generate([1, 20, 30], sp, use_tqdm=False)[0]
         assert a[0].outputs[0].token_ids == b.outputs[0].token_ids
         assert all(len(o.outputs[0].token_ids) == 13 for o in a)
+
+
+def test_prompt_logprobs_are_the_causal_ones(engines):
+    """SamplingParams.prompt_logprobs on this family: each prompt token's exact causal
+    log-probability (the engine's scoring path routes to the causal likelihood)."""
+    llm, model = engines["model"], golden_model("model")
+    prompt = [1, 20, 30, 40, 50]
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, decoding="ar", prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    logp = torch.log_softmax(model(torch.tensor([prompt]), causal=True)[0], -1)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(
+            float(logp[i - 1, prompt[i]]), abs=1e-4)

@@ -131,6 +131,9 @@ class Engine:
         if request_id in self._requests or request_id in self._parents \
                 or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(params, LoglikelihoodParams) and self.spec.attention.causal_commit:
+            self.causal_runner().score(request_id, prompt, params)   # exact, causal
+            return
         if isinstance(params, LoglikelihoodParams):
             if self.spec.uniform_state:
                 raise ValueError(f"{self.spec.family} has no [MASK] token, so the masked "

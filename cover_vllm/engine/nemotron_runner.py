@@ -21,7 +21,9 @@ import torch
 
 from cover_vllm.engine.setup import prompt_ids
 from cover_vllm.engine.setup import prefix_caching
+from cover_vllm.engine.nemotron_scoring import causal_loglikelihood, check_scoring
 from cover_vllm.models.nemotron_lora import load_draft_adapter
+from cover_vllm.scoring.params import LoglikelihoodParams
 from cover_vllm.models.nemotron_cache import PrefixStore, SlotCache, run_pieces
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class NemotronRunner:
         self.waiting: deque[tuple[str, str | None, Loop]] = deque()
         self.running: list[tuple[str, str | None, Loop]] = []
         self._known: set[str] = set()
+        self.scoring: list[tuple] = []                   # (request id, pair, params)
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
         self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
             self.model, engine.model_path)
@@ -86,18 +89,36 @@ class NemotronRunner:
             return False
         self._known.discard(request_id)
         self.waiting = deque(r for r in self.waiting if r[0] != request_id)
+        self.scoring = [r for r in self.scoring if r[0] != request_id]
         for item in [r for r in self.running if r[0] == request_id]:
             self.cache.release(item[2].slot)
             self.running.remove(item)
         return True
 
+    def score(self, request_id: str, prompt, params) -> None:
+        """Queue a likelihood request: scored by one causal forward in the next step
+        (engine/nemotron_scoring.py)."""
+        if request_id in self._known:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not isinstance(params, LoglikelihoodParams):
+            raise TypeError("params must be LoglikelihoodParams")
+        check_scoring(self, prompt, params)              # ValueError now, nothing queued
+        self._known.add(request_id)
+        self.scoring.append((request_id, prompt, params))
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.scoring)
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, forward one piece of every running request
         in one batch, and return the outputs of those that finished."""
+        scored = []
+        if self.scoring:
+            batch, self.scoring = self.scoring[:self.max_num_seqs], self.scoring[self.max_num_seqs:]
+            scored = causal_loglikelihood(self, [p for _, p, _ in batch],
+                                          [q for _, _, q in batch], [r for r, _, _ in batch])
+            self._known.difference_update(r for r, _, _ in batch)
         while self.waiting and len(self.running) < self.max_num_seqs:
             item = self.waiting.popleft()
             loop = item[2]
@@ -106,7 +127,7 @@ class NemotronRunner:
                 loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
             self.running.append(item)
         if not self.running:
-            return []
+            return scored
         logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in self.running])
         still, finished = [], []
         for item, rows in zip(self.running, logits):
@@ -123,7 +144,7 @@ class NemotronRunner:
             else:
                 still.append(item)
         self.running = still
-        return finished
+        return scored + finished
 
     def generate(self, requests: list[tuple[str, str | None, Loop]]) -> list[RequestOutput]:
         """Run (request id, prompt text, loop) to completion; outputs in the given order."""

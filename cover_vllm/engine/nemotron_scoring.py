@@ -23,18 +23,7 @@ def causal_loglikelihood(runner, requests: list, params: list[LoglikelihoodParam
                          ids: list[str]) -> list[LoglikelihoodOutput]:
     """One LoglikelihoodOutput per request (see the module docstring), `max_num_seqs` a
     forward."""
-    spec, tok = runner.spec, runner.engine.tokenizer
-    pairs = []
-    for request in requests:
-        context, continuation = score_pair(request, tok)
-        check_pair(context, continuation, spec.vocab_size, spec.max_model_len)
-        if not context:
-            raise ValueError("context_token_ids is empty: the causal likelihood of the first "
-                             "token needs at least one context token (e.g. BOS)")
-        pairs.append((context, continuation))
-    for p in params:
-        if p.logprobs is not None and p.logprobs < 0:
-            raise ValueError("LoglikelihoodParams.logprobs must be >= 0")
+    pairs = [check_scoring(runner, request, p) for request, p in zip(requests, params)]
     outputs = []
     step = runner.max_num_seqs
     for start in range(0, len(pairs), step):
@@ -50,6 +39,19 @@ def causal_loglikelihood(runner, requests: list, params: list[LoglikelihoodParam
         for i, ((c, x), rows) in enumerate(zip(chunk, logits)):
             outputs.append(_output(ids[start + i], c, x, rows, params[start + i]))
     return outputs
+
+
+def check_scoring(runner, request, params: LoglikelihoodParams) -> tuple[list, list]:
+    """(context, continuation) token ids of a request; ValueError naming what is wrong."""
+    spec = runner.spec
+    context, continuation = score_pair(request, runner.engine.tokenizer)
+    check_pair(context, continuation, spec.vocab_size, spec.max_model_len)
+    if not context:
+        raise ValueError("context_token_ids is empty: the causal likelihood of the first "
+                         "token needs at least one context token (e.g. BOS)")
+    if params.logprobs is not None and params.logprobs < 0:
+        raise ValueError("LoglikelihoodParams.logprobs must be >= 0")
+    return context, continuation
 
 
 def _output(rid: str, context: list[int], continuation: list[int], logits: torch.Tensor,
