@@ -52,7 +52,7 @@ def test_adapter_changes_draft_rows_only(lora_dir):
     path, tensors = lora_dir
     llm, plain = _llm(path), _llm(SRC)
     llm.generate([1, 2, 3], SamplingParams(max_tokens=4, decoding="ar"), use_tqdm=False)
-    model = llm.engine.causal_runner().model
+    model = llm.engine.causal.runner.model
     assert model.draft_adapter is not None
     base = plain.engine.executor.model
     ids = list(range(20, 40))

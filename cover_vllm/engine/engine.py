@@ -13,6 +13,8 @@ import torch
 
 from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
+from cover_vllm.engine.load import EngineLoad
+from cover_vllm.engine.nemotron_runner import CausalSide
 from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_decoder,
                                               first_canvases, run_canvas_decoders)
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
@@ -43,23 +45,12 @@ from cover_vllm.scheduler.scheduler import Scheduler
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams
 from cover_vllm.scheduler.score_request import scoring_request
 from cover_vllm.step_plan import RowDecision
-from cover_vllm.strategies import CAUSAL_DECODERS
 from cover_vllm.strategies.canvas import CanvasDecoder
 from cover_vllm.structured_output import GrammarBackend
 from cover_vllm.worker.memory import plan_memory
 from cover_vllm.worker.worker import rank_device
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a driver or router reads to balance and report: requests and KV pages."""
-
-    running: int
-    waiting: int
-    pages_used: int
-    pages_total: int
 
 
 class Engine:
@@ -89,7 +80,7 @@ class Engine:
         self.config = config = config.with_overrides(
             kv_cache_memory_bytes=self.memory.budget_bytes)
         self.tokenizer_dir = resolved.tokenizer_dir
-        self.model_path = resolved.path                        # None: a weightless shape
+        self.causal = CausalSide(self, resolved.path)     # Nemotron's decodings and likelihood
         self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir,
                                                required=config.tokenizer is not None)
         if self.tokenizer is None:
@@ -112,7 +103,6 @@ class Engine:
         self._grammar_backend: GrammarBackend | None = None
         self.device = torch.device(rank_device(config.device, 0))   # where the logits live
         self.transfer = HostTransfer()           # the decisions' copy to the host, counted
-        self._causal_runner = None               # Nemotron's decodings (causal_runner())
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -131,8 +121,7 @@ class Engine:
         if request_id in self._requests or request_id in self._parents \
                 or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
-        if isinstance(params, LoglikelihoodParams) and self.spec.attention.causal_commit:
-            self.causal_runner().score(request_id, prompt, params)   # exact, causal
+        if self.causal.take(request_id, prompt, params):
             return
         if isinstance(params, LoglikelihoodParams):
             if self.spec.uniform_state:
@@ -145,10 +134,6 @@ class Engine:
             return
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if (params.decoding or self.config.decoding) in CAUSAL_DECODERS:   # Nemotron's own
-            runner = self.causal_runner()
-            runner.add(request_id, *runner.make_loop(prompt, params, self.config.decoding))
-            return
         text, ids = prompt_ids(prompt, self.spec.vocab_size, self.tokenize)
         strategy = self.stage.strategy(params.decoding, params.decoding_params)
         check_decoder(strategy, self.spec, "decoding")
@@ -219,21 +204,10 @@ class Engine:
                 forbidden_ids=() if self.spec.uniform_state else (self.spec.mask_token_id,))
         return self._grammar_backend
 
-    def causal_runner(self):
-        """The runner of the causal-commit decodings (engine/nemotron_runner.py), built on
-        first use."""
-        if self._causal_runner is None:
-            from cover_vllm.engine.nemotron_runner import NemotronRunner
-
-            self._causal_runner = NemotronRunner(self)
-        return self._causal_runner
-
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids are
         ignored."""
-        if self._causal_runner is not None and self._causal_runner.abort(request_id):
-            return
-        if self.scheduler.scoring.abort(request_id):
+        if self.causal.abort(request_id) or self.scheduler.scoring.abort(request_id):
             return
         parent = self._parents.get(self._user_id(request_id))
         for rid in parent.child_ids if parent is not None else [request_id]:
@@ -248,8 +222,8 @@ class Engine:
             del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.scoring.has_unfinished() or (
-            self._causal_runner is not None and self._causal_runner.has_unfinished())
+        return bool(self._requests) or self.scheduler.scoring.has_unfinished() or \
+            self.causal.has_unfinished()
 
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
@@ -275,10 +249,7 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
-        causal = (self._causal_runner.step() if self._causal_runner is not None
-                  and self._causal_runner.has_unfinished() else [])
-        if not (self._requests or self.scheduler.scoring.has_unfinished()):
-            return causal
+        causal = self.causal.step()      # the causal-commit decodings' step (nemotron_runner.py)
         clock = StepClock.observed(self.device, self._observers, self.spec.vocab_size)
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()

@@ -36,7 +36,7 @@ CAUSAL_DECODINGS = tuple(LOOPS)
 class NemotronRunner:
     """`generate(requests)` for requests whose decoding is one of CAUSAL_DECODINGS."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model_path=None):
         if engine.config.tensor_parallel_size != 1:
             raise ValueError("decoding='nemotron' | 'ar' | 'linear_spec' runs in the driver "
                              "process: use tensor_parallel_size=1")
@@ -53,7 +53,7 @@ class NemotronRunner:
         self.scoring: list[tuple] = []                   # (request id, pair, params)
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
         self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
-            self.model, engine.model_path)
+            self.model, model_path)
         self.prefixes = (PrefixStore(engine.config.page_size)
                          if prefix_caching(engine.config, self.spec) else None)
 
@@ -191,3 +191,40 @@ def _refuse_unsupported(name: str, params: SamplingParams) -> None:
     if given:
         raise ValueError(f"decoding={name!r} does not support {', '.join(given)} yet; use "
                          "stop_token_ids, or a masked-diffusion decoder")
+
+
+class CausalSide:
+    """The engine's side door to the runner (`Engine.causal`): takes the requests whose
+    decoding is one of CAUSAL_DECODINGS, and likelihood requests on a causal-commit model;
+    builds the runner on first use, so other models never pay for it."""
+
+    def __init__(self, engine, model_path):
+        self.engine, self.model_path = engine, model_path
+        self.runner: NemotronRunner | None = None
+
+    def take(self, request_id: str, prompt, params) -> bool:
+        """Queue the request here when it is this side's (True), else leave it (False)."""
+        engine = self.engine
+        if isinstance(params, LoglikelihoodParams) and engine.spec.attention.causal_commit:
+            self._runner().score(request_id, prompt, params)        # exact, causal
+            return True
+        if not isinstance(params, SamplingParams) or \
+                (params.decoding or engine.config.decoding) not in CAUSAL_DECODINGS:
+            return False
+        runner = self._runner()
+        runner.add(request_id, *runner.make_loop(prompt, params, engine.config.decoding))
+        return True
+
+    def _runner(self) -> NemotronRunner:
+        if self.runner is None:
+            self.runner = NemotronRunner(self.engine, self.model_path)
+        return self.runner
+
+    def abort(self, request_id: str) -> bool:
+        return self.runner is not None and self.runner.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.runner is not None and self.runner.has_unfinished()
+
+    def step(self) -> list:
+        return self.runner.step() if self.has_unfinished() else []
