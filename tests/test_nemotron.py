@@ -248,3 +248,18 @@ def test_prompt_logprobs_are_the_causal_ones(engines):
     for i in range(1, len(prompt)):
         assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(
             float(logp[i - 1, prompt[i]]), abs=1e-4)
+
+
+def test_bench_throughput_prints_the_three_decodings_side_by_side():
+    from cover_vllm.benchmarks.nemotron import bench_throughput
+    from cover_vllm.benchmarks.throughput import ThroughputSpec
+
+    spec = ThroughputSpec(model=str(DIR / "model"), decodings=("low_confidence",),
+                          batch_sizes=(2,), num_prompts=2, input_len=8, output_len=8,
+                          block_length=4, dtypes=("float32",),
+                          kv_cache_memory_bytes=8 << 20)
+    lines = []
+    report = bench_throughput(spec, "dummy", log=lines.append)
+    assert [r["decoding"] for r in report["results"]] == ["nemotron", "ar", "linear_spec"]
+    assert all(r["tokens_per_s"] > 0 for r in report["results"])
+    assert "linear_spec" in lines[0] and "accepted/verify" in lines[0]

@@ -15,11 +15,33 @@ import random
 import statistics
 import time
 
+from cover_vllm.benchmarks.machine import dtype_name, machine_info, pin_threads
+from cover_vllm.benchmarks.throughput import ThroughputSpec, run_throughput
 from cover_vllm.llm import LLM
+from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.loader import resolve_dtype
+from cover_vllm.models.spec import ModelSpec
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import CAUSAL_DECODERS
 
 MODES = tuple(CAUSAL_DECODERS)          # nemotron, ar, linear_spec
+
+
+def bench_throughput(spec: ThroughputSpec, load_format: str = "auto", log=print) -> dict:
+    """`cover-vllm bench throughput`: a causal-commit model's (Nemotron-Labs-Diffusion) three
+    decodings side by side, any other model the engine's rows (throughput.run_throughput).
+    `load_format="dummy"`: random weights (always so for a built-in shape)."""
+    resolved = resolve_model(spec.model)
+    model_spec = ModelSpec.from_config(resolved.config)
+    if not model_spec.attention.causal_commit:
+        return run_throughput(spec, log)
+    threads = pin_threads(spec.model, spec.threads)
+    dtypes = [resolve_dtype(d, model_spec, spec.device) for d in dict.fromkeys(spec.dtypes)]
+    report = {"machine": machine_info(tuple(dtypes), device=spec.device), "model": spec.model,
+              "reference": {}, "results": [], "quantization": spec.quantization}
+    dummy = resolved.path is None or load_format == "dummy"
+    return run_nemotron_throughput(spec, report, [dtype_name(d) for d in dtypes],
+                                   "dummy" if dummy else "auto", threads, log)
 
 
 def run_nemotron_throughput(spec, report: dict, dtypes: list[str], load_format: str,

@@ -70,7 +70,6 @@ class ThroughputSpec:
     kv_cache_memory_bytes: int | None = None
     count_ops: bool = False            # one extra, untimed run per row counting ops per step
     enforce_eager: bool = False        # vLLM's knob (EngineConfig.enforce_eager)
-    load_format: str = "auto"        # "dummy": random weights (a built-in shape always)
 
 
 @dataclass
@@ -138,8 +137,6 @@ def default_decodings(model: str) -> tuple[str, ...]:
     """The bench's decoders when none are given: low_confidence, or a uniform-state model's
     own (the only kind it can run)."""
     spec = ModelSpec.from_config(resolve_model(model).config)
-    if spec.attention.causal_commit:          # Nemotron-Labs-Diffusion: its three decodings
-        return ("nemotron", "ar", "linear_spec")
     return (spec.default_decoding,) if spec.uniform_state else ("low_confidence",)
 
 
@@ -289,16 +286,11 @@ def run_throughput(spec: ThroughputSpec, log=print) -> dict:
     model_spec = ModelSpec.from_config(resolved.config)
     dtypes = [resolve_dtype(d, model_spec, spec.device) for d in dict.fromkeys(spec.dtypes)]
     machine = machine_info(tuple(dtypes), device=spec.device)
-    load_format = "dummy" if resolved.path is None or spec.load_format == "dummy" else "auto"
+    load_format = "dummy" if resolved.path is None else "auto"
     report = {"machine": machine, "model": spec.model, "reference": {}, "results": [],
               "quantization": spec.quantization}
     if not spec.decodings:
         spec = dataclasses.replace(spec, decodings=default_decodings(spec.model))
-    if model_spec.attention.causal_commit:    # Nemotron: its three decodings side by side
-        from cover_vllm.benchmarks.nemotron import run_nemotron_throughput
-
-        return run_nemotron_throughput(spec, report, [dtype_name(d) for d in dtypes],
-                                       load_format, threads, log)
     for dtype in dtypes:
         name = dtype_name(dtype)
         peak = machine["matmul_gflops"][name]

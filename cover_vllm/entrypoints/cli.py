@@ -105,15 +105,14 @@ def _bench_spec(args: argparse.Namespace):
                           quantization=args.quantization, device=args.device,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           count_ops=getattr(args, "count_ops", False),
-                          enforce_eager=args.enforce_eager,
-                          load_format=getattr(args, "load_format", "auto"))
+                          enforce_eager=args.enforce_eager)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from cover_vllm.benchmarks.report import format_markdown, format_table, write_plot
-    from cover_vllm.benchmarks.throughput import run_throughput
+    from cover_vllm.benchmarks.nemotron import bench_throughput
 
-    report = run_throughput(_bench_spec(args))
+    report = bench_throughput(_bench_spec(args), args.load_format)
     print(format_table(report["results"]))
     if args.json:
         with open(args.json, "w") as f:
