@@ -263,3 +263,17 @@ def test_bench_throughput_prints_the_three_decodings_side_by_side():
     assert [r["decoding"] for r in report["results"]] == ["nemotron", "ar", "linear_spec"]
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
     assert "linear_spec" in lines[0] and "accepted/verify" in lines[0]
+
+
+def test_engine_load_counts_the_causal_requests(engines):
+    engine = engines["model"].engine
+    engine.add_request("load-a", [1, 2, 3], SamplingParams(max_tokens=8, decoding="ar"))
+    engine.add_request("load-b", [1, 2, 3], SamplingParams(max_tokens=8, decoding="ar"))
+    assert engine.load().waiting == 2 and engine.has_unfinished_requests()
+    engine.step()
+    assert engine.load().running == 2
+    engine.abort_request("load-a")
+    assert engine.load().running == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.load().running == 0

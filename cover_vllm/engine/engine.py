@@ -239,9 +239,12 @@ class Engine:
 
     def load(self) -> EngineLoad:
         scoring, canvases = self.scheduler.scoring, self.scheduler.canvases
+        causal_running, causal_waiting = self.causal.counts()
         return EngineLoad(
-            len(self.scheduler.running) + len(scoring.running) + len(canvases.running),
-            len(self.scheduler.waiting) + len(scoring.waiting) + len(canvases.waiting),
+            len(self.scheduler.running) + len(scoring.running) + len(canvases.running)
+            + causal_running,
+            len(self.scheduler.waiting) + len(scoring.waiting) + len(canvases.waiting)
+            + causal_waiting,
             self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------

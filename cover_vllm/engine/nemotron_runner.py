@@ -226,5 +226,11 @@ class CausalSide:
     def has_unfinished(self) -> bool:
         return self.runner is not None and self.runner.has_unfinished()
 
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests, for Engine.load()."""
+        if self.runner is None:
+            return 0, 0
+        return len(self.runner.running), len(self.runner.waiting) + len(self.runner.scoring)
+
     def step(self) -> list:
         return self.runner.step() if self.has_unfinished() else []
