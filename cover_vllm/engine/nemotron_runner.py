@@ -185,6 +185,9 @@ def _refuse_unsupported(name: str, params: SamplingParams) -> None:
     unsupported = {"n > 1": params.n != 1, "logprobs": params.logprobs is not None,
                    "stop (strings)": bool(params.stop),
                    "min_tokens": params.min_tokens > 0,
+                   "steps (a block takes at most block_length forwards)": params.steps is not None,
+                   "top_p / top_k / min_p": (params.top_p, params.top_k, params.min_p)
+                   != (1.0, -1, 0.0),
                    "penalties": (params.presence_penalty, params.frequency_penalty,
                                  params.repetition_penalty) != (0.0, 0.0, 1.0)}
     given = [k for k, v in unsupported.items() if v]
