@@ -23,7 +23,10 @@ from cover_vllm.strategies.base import StrategyParams
 
 
 def _check_threshold(value: float | None, low_ok: bool) -> None:
-    if value is not None and not (0.0 <= value <= 1.0) or (value == 0.0 and not low_ok):
+    """ValueError unless `value` is None or a probability ((0, 1] unless `low_ok`)."""
+    if value is None:
+        return
+    if not 0.0 <= value <= 1.0 or (value == 0.0 and not low_ok):
         raise ValueError(f"decoding_params.threshold={value!r}; give a probability in "
                          f"{'[0, 1]' if low_ok else '(0, 1]'}")
 
