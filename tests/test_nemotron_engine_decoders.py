@@ -45,3 +45,18 @@ def test_commit_rows_are_causal():
     assert limits[16:].tolist() == [24] * 4
     plain = SeqLayout(0, 20, torch.arange(24), [], causal_block=8)
     assert plain.key_limits()[:8].tolist() == [8] * 8
+
+
+def test_batch_metadata_row_limits_follow_the_causal_commit():
+    """build_metadata (what every backend reads): a causal-commit sequence's rows get the
+    same bounds as SeqLayout.key_limits beside a plain block-causal one and a full one."""
+    from cover_vllm.attention.layout import build_metadata
+
+    commit = SeqLayout(0, 20, torch.arange(24), [], causal_block=8, causal_commit=True)
+    block = SeqLayout(8, 12, torch.arange(24, 48), [], causal_block=8)
+    full = SeqLayout(0, 5, torch.arange(48, 53), [])
+    meta = build_metadata([commit, block, full])
+    limits = meta.row_limit.tolist()
+    assert limits[:20] == commit.key_limits().tolist()
+    assert limits[20:32] == block.key_limits().tolist()
+    assert min(limits[32:]) >= 5
