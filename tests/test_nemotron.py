@@ -277,3 +277,20 @@ def test_engine_load_counts_the_causal_requests(engines):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.load().running == 0
+
+
+def test_pages_come_from_the_engines_pool():
+    """The runner's K/V live in the engine's paged pool: a pool of 10 pages (16 tokens each)
+    holds two of these requests at a time, the rest wait for pages and get their batch-1
+    tokens; a request larger than the whole pool is refused when added."""
+    llm = LLM(str(DIR / "model_long"), dtype="float32", kv_cache_memory_bytes=10 * 8192)
+    assert llm.engine.pool.num_pages == 10
+    prompts = [[1] + list(range(20 + i, 31 + i)) for i in range(6)]
+    sp = SamplingParams(max_tokens=24, block_length=8, decoding="linear_spec")
+    batched = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.engine.pool.num_free == 10
+    for prompt, out in zip(prompts, batched):
+        alone = llm.generate(prompt, sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="KV pages"):
+        llm.generate(prompts[0], SamplingParams(max_tokens=400, decoding="ar"), use_tqdm=False)

@@ -24,7 +24,7 @@ from cover_vllm.engine.setup import prefix_caching
 from cover_vllm.engine.nemotron_scoring import causal_loglikelihood, check_scoring
 from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.scoring.params import LoglikelihoodParams
-from cover_vllm.models.nemotron_cache import PrefixStore, SlotCache, run_pieces
+from cover_vllm.models.nemotron_cache import PagedSlots, PrefixStore, SlotCache, run_pieces
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
@@ -44,8 +44,11 @@ class NemotronRunner:
         self.model = engine.executor.model
         param = next(self.model.parameters())
         dims = self.model.dims
-        self.cache = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
-                               param.dtype, param.device)
+        # the engine's own pages: one KV budget, admission by free pages
+        self.cache = PagedSlots(engine.executor.cache, engine.pool, engine.config.page_size)
+        # likelihood forwards write nothing: an empty slot of a tiny standalone cache
+        self.scratch = SlotCache(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                 param.dtype, param.device)
         self.max_num_seqs = engine.config.max_num_seqs
         self.waiting: deque[tuple[str, str | None, Loop]] = deque()
         self.running: list[tuple[str, str | None, Loop]] = []
@@ -79,6 +82,9 @@ class NemotronRunner:
         """Queue a request (built by `make_loop`)."""
         if request_id in self._known:
             raise ValueError(f"request_id {request_id!r} is already running")
+        need = self.cache.pages_for(loop.capacity())
+        self.engine.pool.check_fits(f"request {request_id!r}", need,
+                                    f"a {loop.capacity()}-token cache", "lower max_tokens")
         loop.arrival = time.perf_counter()
         self._known.add(request_id)
         self.waiting.append((request_id, text, loop))
@@ -120,9 +126,13 @@ class NemotronRunner:
                                           [q for _, _, q in batch], [r for r, _, _ in batch])
             self._known.difference_update(r for r, _, _ in batch)
         while self.waiting and len(self.running) < self.max_num_seqs:
-            item = self.waiting.popleft()
+            item = self.waiting[0]
             loop = item[2]
-            loop.slot = self.cache.allocate(loop.capacity())
+            slot = self.cache.allocate(loop.capacity())
+            if slot is None:
+                break                           # FCFS: wait for pages to free up
+            self.waiting.popleft()
+            loop.slot = slot
             if self.prefixes is not None and loop.causal_prefill:
                 loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
             self.running.append(item)

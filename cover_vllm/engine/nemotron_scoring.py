@@ -28,14 +28,14 @@ def causal_loglikelihood(runner, requests: list, params: list[LoglikelihoodParam
     step = runner.max_num_seqs
     for start in range(0, len(pairs), step):
         chunk = pairs[start:start + step]
-        slots = [runner.cache.allocate(len(c) + len(x)) for c, x in chunk]
+        slots = [runner.scratch.allocate(1) for _ in chunk]      # nothing cached or written
         try:
             pieces = [Piece(s, c + x, True, False, list(range(len(c) - 1, len(c) + len(x) - 1)))
                       for s, (c, x) in zip(slots, chunk)]
-            logits = run_pieces(runner.model, runner.cache, pieces)
+            logits = run_pieces(runner.model, runner.scratch, pieces)
         finally:
             for s in slots:
-                runner.cache.release(s)
+                runner.scratch.release(s)
         for i, ((c, x), rows) in enumerate(zip(chunk, logits)):
             outputs.append(_output(ids[start + i], c, x, rows, params[start + i]))
     return outputs

@@ -34,7 +34,9 @@ class Piece:
 
 
 class SlotCache:
-    """Per-layer K and V [slots, Hkv, capacity, d] with a length per slot; grows on demand."""
+    """Standalone storage: per-layer K and V [slots * capacity, Hkv, d] (slot s holds
+    positions at s * capacity + p) with a length per slot; grows on demand. The engine's runner
+    uses `PagedSlots` instead (the engine's own pool); tests and tools use this one."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -42,14 +44,14 @@ class SlotCache:
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.lengths: list[int] = []
+        self.lengths: dict[int, int] = {}
         self.free: list[int] = []
-        self.capacity = 0
+        self.num_slots = self.capacity = 0
 
     def allocate(self, capacity: int) -> int:
         """A free slot whose rows hold at least `capacity` positions (length 0)."""
         if capacity > self.capacity or not self.free:
-            self._grow(max(capacity, self.capacity), len(self.lengths) + (not self.free))
+            self._grow(max(capacity, self.capacity), self.num_slots + (not self.free))
         slot = self.free.pop()
         self.lengths[slot] = 0
         return slot
@@ -63,21 +65,67 @@ class SlotCache:
         assert 0 <= length <= self.lengths[slot]
         self.lengths[slot] = length
 
+    def table(self, slot: int) -> torch.Tensor:
+        """[capacity] flat index of each position of `slot`."""
+        return slot * self.capacity + torch.arange(self.capacity, device=self.device)
+
     def _grow(self, capacity: int, slots: int) -> None:
-        old = len(self.lengths)
-        shape = (slots, self.shape[0], capacity, self.shape[1])
+        old, old_cap = self.num_slots, self.capacity
         for layers in (self.k, self.v):
             for i in range(self.num_layers):
-                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if layers[i:i + 1]:
-                    prev = layers[i]
-                    new[:prev.shape[0], :, :prev.shape[2]] = prev
+                new = torch.zeros(slots * capacity, *self.shape, dtype=self.dtype,
+                                  device=self.device)
+                if i < len(layers):
+                    new.view(slots, capacity, *self.shape)[:old, :old_cap] = \
+                        layers[i].view(old, old_cap, *self.shape)
                     layers[i] = new
                 else:
                     layers.append(new)
         self.free += list(range(slots - 1, old - 1, -1))
-        self.lengths += [0] * (slots - old)
-        self.capacity = capacity
+        self.lengths.update({s: 0 for s in range(old, slots)})
+        self.num_slots, self.capacity = slots, capacity
+
+
+class PagedSlots:
+    """The runner's storage: pages of the engine's own paged pool (the engine's KVCache and
+    PagePool), so these requests and the engine's share one KV budget and admission is by free
+    pages. A slot is a request's pages; position p lives at cache slot
+    pages[p // page_size] * page_size + p % page_size."""
+
+    def __init__(self, cache, pool, page_size: int):
+        self.k, self.v = cache.k, cache.v          # per layer [slots, Hkv, d] (views)
+        self.pool, self.page_size = pool, page_size
+        self.device = self.k[0].device
+        self.lengths: dict[int, int] = {}
+        self.pages: dict[int, list[int]] = {}
+        self.tables: dict[int, torch.Tensor] = {}
+        self._next = 0
+
+    def pages_for(self, capacity: int) -> int:
+        return -(-capacity // self.page_size)
+
+    def allocate(self, capacity: int) -> int | None:
+        """A slot of at least `capacity` positions, or None while the pool lacks the pages."""
+        pages = self.pool.allocate(self.pages_for(capacity))
+        if pages is None:
+            return None
+        slot, self._next = self._next, self._next + 1
+        pos = torch.arange(len(pages) * self.page_size)
+        base = torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size
+        self.tables[slot] = (base + pos % self.page_size).to(self.device)
+        self.pages[slot], self.lengths[slot] = pages, 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.pool.free(self.pages.pop(slot))
+        del self.tables[slot], self.lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        assert 0 <= length <= self.lengths[slot]
+        self.lengths[slot] = length
+
+    def table(self, slot: int) -> torch.Tensor:
+        return self.tables[slot]
 
 
 class PieceAttention:
@@ -90,7 +138,11 @@ class PieceAttention:
         lens = [cache.lengths[p.slot] for p in pieces]
         self.c = max(lens)                                            # cached keys read
         b, n, c = len(pieces), self.n, self.c
-        self.slots = torch.tensor([p.slot for p in pieces], dtype=torch.long, device=dev)
+        # [b, c] flat cache index of each piece's cached positions (0 past its table: hidden)
+        self.read_index = torch.zeros(b, c, dtype=torch.long, device=dev)
+        for i, p in enumerate(pieces):
+            table = cache.table(p.slot)[:c]
+            self.read_index[i, :table.numel()] = table
         sizes = torch.tensor([len(p.tokens) for p in pieces], device=dev)
         cached = torch.arange(c, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
         q_idx = torch.arange(n, device=dev)
@@ -100,15 +152,13 @@ class PieceAttention:
         new |= torch.eye(n, dtype=torch.bool, device=dev)[None]      # padded rows: themselves
         self.allowed = torch.cat([cached[:, None, :].expand(b, n, c), new], dim=2)[:, None]
         # cache writes: (slot, position) of every written token, its row in the [b * n] layout
-        rows, slot_idx, pos_idx = [], [], []
+        rows, at = [], []
         for i, (p, length) in enumerate(zip(pieces, lens)):
             if p.write:
                 rows += [i * n + j for j in range(len(p.tokens))]
-                slot_idx += [p.slot] * len(p.tokens)
-                pos_idx += range(length, length + len(p.tokens))
+                at.append(cache.table(p.slot)[length:length + len(p.tokens)])
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        self.write_at = (torch.tensor(slot_idx, dtype=torch.long, device=dev),
-                         torch.tensor(pos_idx, dtype=torch.long, device=dev))
+        self.write_at = torch.cat(at) if at else None       # [written] flat cache index
 
     def positions(self) -> torch.Tensor:
         """[b * n] absolute positions (padding: the piece's next ones, harmless)."""
@@ -121,17 +171,17 @@ class PieceAttention:
         if v is None:
             k, v = kv_halves(k)
         b, n, c = len(self.pieces), self.n, self.c
-        ck = self.cache.k[layer].index_select(0, self.slots)[:, :, :c]     # [b, Hkv, c, d]
-        cv = self.cache.v[layer].index_select(0, self.slots)[:, :, :c]
+        flat = self.read_index.reshape(-1)
+        ck = self.cache.k[layer].index_select(0, flat).view(b, c, *k.shape[1:]).transpose(1, 2)
+        cv = self.cache.v[layer].index_select(0, flat).view(b, c, *v.shape[1:]).transpose(1, 2)
         k4 = torch.cat([ck, k.view(b, n, *k.shape[1:]).transpose(1, 2)], dim=2)
         v4 = torch.cat([cv, v.view(b, n, *v.shape[1:]).transpose(1, 2)], dim=2)
         q4 = q.view(b, n, *q.shape[1:]).transpose(1, 2)                  # [b, H, n, d]
         o = torch.nn.functional.scaled_dot_product_attention(
             q4, k4, v4, attn_mask=self.allowed, enable_gqa=q.shape[1] != k.shape[1])
-        if self.write_rows.numel():
-            slot, pos = self.write_at
-            self.cache.k[layer][slot, :, pos] = k.index_select(0, self.write_rows)
-            self.cache.v[layer][slot, :, pos] = v.index_select(0, self.write_rows)
+        if self.write_at is not None:
+            self.cache.k[layer][self.write_at] = k.index_select(0, self.write_rows)
+            self.cache.v[layer][self.write_at] = v.index_select(0, self.write_rows)
         return o.transpose(1, 2).reshape(b * n, -1)
 
 
@@ -184,8 +234,9 @@ class PrefixStore:
         key = tuple(prompt[:n])
         if n == 0 or any(k[:n] == key for k, _, _ in self.entries):
             return
-        self.entries.append((key, [k[slot, :, :n].clone() for k in cache.k],
-                             [v[slot, :, :n].clone() for v in cache.v]))
+        index = cache.table(slot)[:n]
+        self.entries.append((key, [k.index_select(0, index) for k in cache.k],
+                             [v.index_select(0, index) for v in cache.v]))
         if len(self.entries) > self.max_entries:
             self.entries.pop(0)
 
@@ -200,9 +251,10 @@ class PrefixStore:
                 best, found = n, entry
         if found is None:
             return 0
+        index = cache.table(slot)[:best]
         for layer, (k, v) in enumerate(zip(found[1], found[2])):
-            cache.k[layer][slot, :, :best] = k[:, :best]
-            cache.v[layer][slot, :, :best] = v[:, :best]
+            cache.k[layer][index] = k[:best]
+            cache.v[layer][index] = v[:best]
         cache.lengths[slot] = best
         return best
 
