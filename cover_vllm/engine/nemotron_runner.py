@@ -24,7 +24,8 @@ from cover_vllm.engine.setup import prefix_caching
 from cover_vllm.engine.nemotron_scoring import causal_loglikelihood, check_scoring
 from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.scoring.params import LoglikelihoodParams
-from cover_vllm.models.nemotron_cache import PagedSlots, PrefixStore, SlotCache, run_pieces
+from cover_vllm.models.nemotron_cache import (PagedSlots, SlotCache, causal_page_keys,
+                                              run_pieces)
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
@@ -57,8 +58,7 @@ class NemotronRunner:
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
         self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
             self.model, model_path)
-        self.prefixes = (PrefixStore(engine.config.page_size)
-                         if prefix_caching(engine.config, self.spec) else None)
+        self.prefix_caching = prefix_caching(engine.config, self.spec)
 
     def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
         """The state machine of one request (ValueError / TypeError for bad input)."""
@@ -128,13 +128,14 @@ class NemotronRunner:
         while self.waiting and len(self.running) < self.max_num_seqs:
             item = self.waiting[0]
             loop = item[2]
-            slot = self.cache.allocate(loop.capacity())
+            keys = (causal_page_keys(loop.job.prompt, self.cache.page_size)
+                    if self.prefix_caching and loop.causal_prefill else [])
+            slot = self.cache.allocate(loop.capacity(), keys)
             if slot is None:
                 break                           # FCFS: wait for pages to free up
             self.waiting.popleft()
-            loop.slot = slot
-            if self.prefixes is not None and loop.causal_prefill:
-                loop.cached = self.prefixes.restore(self.cache, loop.slot, loop.job.prompt)
+            loop.slot, loop.cached = slot, self.cache.cached[slot]
+            self.cache.lengths[slot] = loop.cached
             self.running.append(item)
         if not self.running:
             return scored
@@ -143,9 +144,10 @@ class NemotronRunner:
         for item, rows in zip(self.running, logits):
             loop = item[2]
             loop.absorb(rows, self.cache)
-            if self.prefixes is not None and loop.causal_prefill and not loop.indexed \
+            if self.prefix_caching and loop.causal_prefill and not loop.indexed \
                     and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
-                self.prefixes.insert(self.cache, loop.slot, loop.job.prompt)
+                self.cache.index(loop.slot, causal_page_keys(loop.job.prompt,
+                                                             self.cache.page_size))
                 loop.indexed = True
             if loop.finished:
                 self.cache.release(loop.slot)
@@ -174,7 +176,7 @@ class NemotronRunner:
                                  tokens_per_step=len(tokens) / max(loop.nfe, 1),
                                  latency_s=latency, cached_prompt_tokens=loop.cached,
                                  prefix_query_tokens=len(loop.job.prompt) if
-                                 self.prefixes is not None and loop.causal_prefill else 0)
+                                 self.prefix_caching and loop.causal_prefill else 0)
         if loop.accepted:
             metrics.accepted_tokens = sum(loop.accepted)
             metrics.verifies = len(loop.accepted)

@@ -14,6 +14,7 @@ are dropped; padded keys are hidden), so every request of a step shares one GEMM
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,7 @@ class PagedSlots:
         self.pool, self.page_size = pool, page_size
         self.device = self.k[0].device
         self.lengths: dict[int, int] = {}
+        self.cached: dict[int, int] = {}            # positions found in the prefix cache
         self.pages: dict[int, list[int]] = {}
         self.tables: dict[int, torch.Tensor] = {}
         self._next = 0
@@ -104,12 +106,18 @@ class PagedSlots:
     def pages_for(self, capacity: int) -> int:
         return -(-capacity // self.page_size)
 
-    def allocate(self, capacity: int) -> int | None:
-        """A slot of at least `capacity` positions, or None while the pool lacks the pages."""
-        pages = self.pool.allocate(self.pages_for(capacity))
-        if pages is None:
+    def allocate(self, capacity: int, keys: list[bytes] = ()) -> int | None:
+        """A slot of at least `capacity` positions, or None while the pool lacks the pages.
+        `keys`: content keys of its first pages (`causal_page_keys`); the longest run the pool
+        holds is shared (`cached[slot]` positions whose K/V are already there)."""
+        hits = self.pool.lookup(list(keys)) if keys else []
+        fresh = self.pool.allocate(self.pages_for(capacity) - len(hits))
+        if fresh is None:
+            self.pool.free(hits)
             return None
+        pages = hits + fresh
         slot, self._next = self._next, self._next + 1
+        self.cached[slot] = len(hits) * self.page_size
         pos = torch.arange(len(pages) * self.page_size)
         base = torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size
         self.tables[slot] = (base + pos % self.page_size).to(self.device)
@@ -118,7 +126,13 @@ class PagedSlots:
 
     def release(self, slot: int) -> None:
         self.pool.free(self.pages.pop(slot))
-        del self.tables[slot], self.lengths[slot]
+        del self.tables[slot], self.lengths[slot], self.cached[slot]
+
+    def index(self, slot: int, keys: list[bytes]) -> None:
+        """Record that `slot`'s first len(keys) pages hold the K/V those keys name."""
+        for page, key in zip(self.pages[slot], keys):
+            self.pool.index(page, key)
+
 
     def truncate(self, slot: int, length: int) -> None:
         assert 0 <= length <= self.lengths[slot]
@@ -126,6 +140,21 @@ class PagedSlots:
 
     def table(self, slot: int) -> torch.Tensor:
         return self.tables[slot]
+
+
+def causal_page_keys(prompt: list[int], page_size: int) -> list[bytes]:
+    """Content keys of a causally prefilled prompt's full pages, leaving its last token out
+    (it is always run: its logit is needed). A causal K/V depends on the tokens up to it only,
+    so page i's key chains the tokens of pages 0..i; the namespace keeps them apart from the
+    block-causal keys (scheduler/prefix_cache.py), whose K/V are computed differently."""
+    ids = torch.tensor(prompt[:len(prompt) - 1], dtype=torch.int64).numpy()
+    chain = hashlib.sha256(f"causal;page={page_size}".encode()).digest()
+    keys = []
+    for page in range(len(ids) // page_size):
+        chain = hashlib.sha256(chain + ids[page * page_size:(page + 1) * page_size]
+                               .tobytes()).digest()
+        keys.append(chain)
+    return keys
 
 
 class PieceAttention:
@@ -217,52 +246,3 @@ def _adapter_rows(pieces: list[Piece], n: int, device) -> torch.Tensor | None:
     flags = torch.tensor([p.adapter for p in pieces], device=device)
     return flags[:, None].expand(len(pieces), n).reshape(-1)
 
-
-class PrefixStore:
-    """Prefix caching for causal prefills: the K/V of a causally prefilled prompt depend only on
-    its tokens, so a later prompt sharing a page-aligned prefix copies them instead of running
-    those rows (at least its last token is always run: its logit is needed). Holds the
-    `max_entries` most recent prompts' K/V (copies, independent of the slots)."""
-
-    def __init__(self, page_size: int, max_entries: int = 64):
-        self.page_size, self.max_entries = page_size, max_entries
-        self.entries: list[tuple[tuple[int, ...], list[torch.Tensor], list[torch.Tensor]]] = []
-
-    def insert(self, cache: SlotCache, slot: int, prompt: list[int]) -> None:
-        """Keep the page-aligned prefix of `prompt`, whose K/V are `slot`'s first positions."""
-        n = len(prompt) // self.page_size * self.page_size
-        key = tuple(prompt[:n])
-        if n == 0 or any(k[:n] == key for k, _, _ in self.entries):
-            return
-        index = cache.table(slot)[:n]
-        self.entries.append((key, [k.index_select(0, index) for k in cache.k],
-                             [v.index_select(0, index) for v in cache.v]))
-        if len(self.entries) > self.max_entries:
-            self.entries.pop(0)
-
-    def restore(self, cache: SlotCache, slot: int, prompt: list[int]) -> int:
-        """Copy the longest stored page-aligned prefix of `prompt` (shorter than it) into
-        `slot`; returns its length (0: none)."""
-        best, found = 0, None
-        for entry in self.entries:
-            n = _common(entry[0], prompt)
-            n = min(n, len(prompt) - 1) // self.page_size * self.page_size
-            if n > best:
-                best, found = n, entry
-        if found is None:
-            return 0
-        index = cache.table(slot)[:best]
-        for layer, (k, v) in enumerate(zip(found[1], found[2])):
-            cache.k[layer][index] = k[:best]
-            cache.v[layer][index] = v[:best]
-        cache.lengths[slot] = best
-        return best
-
-
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
