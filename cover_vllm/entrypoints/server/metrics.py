@@ -36,23 +36,22 @@ class _RatioCollector:
         self.metrics = metrics
 
     def collect(self):
-        nfe, decoded = self.metrics.nfe_sum, self.metrics.decoded_sum
-        family = GaugeMetricFamily(PREFIX + "nfe_per_token",
-                                   "Model forwards per decoded token over all finished requests")
-        family.add_metric([], nfe / decoded if decoded else 0.0)
-        yield family
-        hits, queries = self.metrics.prefix_hit_sum, self.metrics.prefix_query_sum
-        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
-                                 "Prompt tokens served from the prefix cache / tokens looked up "
-                                 "(block-causal models; finished requests)")
-        rate.add_metric([], hits / queries if queries else 0.0)
-        yield rate
-        accepted, verifies = self.metrics.spec_accepted_sum, self.metrics.spec_verify_sum
-        spec = GaugeMetricFamily(PREFIX + "spec_acceptance_length",
-                                 "Self-speculation (decoding=linear_spec): tokens accepted per "
-                                 "verify, bonus included (finished requests)")
-        spec.add_metric([], accepted / verifies if verifies else 0.0)
-        yield spec
+        m = self.metrics
+        yield _ratio("nfe_per_token", "Model forwards per decoded token over all finished "
+                     "requests", m.nfe_sum, m.decoded_sum)
+        yield _ratio("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                     "tokens looked up (block-causal models; finished requests)",
+                     m.prefix_hit_sum, m.prefix_query_sum)
+        yield _ratio("spec_acceptance_length", "Self-speculation (decoding=linear_spec): tokens "
+                     "accepted per verify, bonus included (finished requests)",
+                     m.spec_accepted_sum, m.spec_verify_sum)
+
+
+def _ratio(name: str, doc: str, num: float, den: float) -> GaugeMetricFamily:
+    """A gauge PREFIX + name = num / den (0 while den is 0)."""
+    family = GaugeMetricFamily(PREFIX + name, doc)
+    family.add_metric([], num / den if den else 0.0)
+    return family
 
 
 class _ReplicaCollector:
