@@ -32,6 +32,8 @@ class RequestMetrics:
                                  # back the grammar (part of the steps' strategy time)
     canvases: int = 0            # uniform-state canvases finished (DiffusionGemma)
     accepted_tokens: int = 0     # of their denoising steps: positions that kept their sample
+    verifies: int = 0            # linear_spec: causal verifies (accepted_tokens / verifies
+                                 # = the mean acceptance length)
     encoder_flops: float = 0.0   # the part of `flops` spent encoding prompt and canvases
 
     def as_dict(self) -> dict:

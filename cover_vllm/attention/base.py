@@ -48,6 +48,8 @@ class SeqLayout:
                                               # window (None: window_start.. contiguous)
     causal_block: int | None = None  # block-causal attention with blocks of this size (None:
                                      # every row sees every key column, `full`)
+    causal_commit: bool = False      # block-causal: rows in blocks before the window's last
+                                     # one see keys <= their position (a causal commit)
 
     def key_limits(self) -> torch.Tensor | None:
         """[window_len] exclusive bound on the key columns of each query row (block-causal), or
@@ -56,7 +58,10 @@ class SeqLayout:
         if self.causal_block is None:
             return None
         b = self.causal_block
-        limit = ((self.window_positions() // b + 1) * b).clamp(max=length)
+        pos = self.window_positions()
+        limit = ((pos // b + 1) * b).clamp(max=length)
+        if self.causal_commit:
+            limit = torch.where(pos < pos.max() // b * b, pos + 1, limit)
         return None if bool((limit >= length).all()) else limit
 
     def window_positions(self) -> torch.Tensor:

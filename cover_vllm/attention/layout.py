@@ -167,6 +167,10 @@ def _row_limit(seqs: list[SeqLayout], pos: torch.Tensor, q_valid: torch.Tensor,
     causal = block > 0
     size = torch.where(causal, block, 1)
     limit = torch.minimum((pos // size + 1) * size, num_k)          # [B, Qmax]
+    commit = torch.tensor([s.causal_commit for s in seqs])[:, None]
+    if bool(commit.any()):              # rows before the window's last block: causal
+        last = pos.masked_fill(~q_valid, -1).amax(1, keepdim=True) // size * size
+        limit = torch.where(commit & (pos < last), pos + 1, limit)
     free = ((limit >= num_k) | ~q_valid).all(1, keepdim=True) | ~causal   # [B, 1]
     if bool(free.all()):
         return None

@@ -13,6 +13,8 @@ import torch
 
 from cover_vllm.cache_refresh import parse_cache_refresh
 from cover_vllm.config import EngineConfig
+from cover_vllm.engine.load import EngineLoad
+from cover_vllm.engine.nemotron_runner import CausalSide
 from cover_vllm.engine.canvas_decide import (CANVAS_STRUCTURED_REFUSAL, check_decoder,
                                               first_canvases, run_canvas_decoders)
 from cover_vllm.engine.observer import StepObserver, StepRecord, StepTimes
@@ -52,16 +54,6 @@ from cover_vllm.worker.worker import rank_device
 logger = init_logger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a driver or router reads to balance and report: requests and KV pages."""
-
-    running: int
-    waiting: int
-    pages_used: int
-    pages_total: int
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         resolved = resolve_engine_model(config)     # a hub id is fetched here, once
@@ -77,9 +69,8 @@ class Engine:
         self.stage = StrategyStage(self.spec, config.decoding)   # fails early on a bad default
         check_decoder(self.stage.strategy(None, None), self.spec, "the engine's decoding")
         self.default_max_tokens = resolved.max_new_tokens()    # None: the checkpoint sets none
-        # one meta build (all heads, no storage) sizes memory before loading and counts FLOPs
         meta = build_model(self.spec, resolve_dtype(config.dtype, self.spec, config.device), "meta")
-        self.dims = meta.dims                                   # layers, heads, vocabulary
+        self.dims = meta.dims      # the meta build (no storage) sizes memory and counts FLOPs
         self.flop_model = FlopModel.of(meta, meta.dims)
         self.quantization = parse_quantization(config.quantization)   # ValueError names it
         check_quantization(meta, self.quantization, config.tensor_parallel_size)
@@ -88,6 +79,7 @@ class Engine:
         self.config = config = config.with_overrides(    # the budget travels to every rank
             kv_cache_memory_bytes=self.memory.budget_bytes)   # (the same pages everywhere)
         self.tokenizer_dir = resolved.tokenizer_dir
+        self.causal = CausalSide(self, resolved.path)     # Nemotron's decodings and likelihood
         self.tokenizer = load_tokenizer_if_any(self.tokenizer_dir,
                                                required=config.tokenizer is not None)
         if self.tokenizer is None:
@@ -129,6 +121,8 @@ class Engine:
         if request_id in self._requests or request_id in self._parents \
                 or self.scheduler.scoring.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
+        if self.causal.take(request_id, prompt, params):
+            return
         if isinstance(params, LoglikelihoodParams):
             if self.spec.uniform_state:
                 raise ValueError(f"{self.spec.family} has no [MASK] token, so the masked "
@@ -214,7 +208,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (a parent, or one of its children: all of them); unknown ids: no-op."""
-        if self.scheduler.scoring.abort(request_id):
+        if self.causal.abort(request_id) or self.scheduler.scoring.abort(request_id):
             return
         parent = self._parents.get(self._user_id(request_id))
         for rid in parent.child_ids if parent is not None else [request_id]:
@@ -229,7 +223,8 @@ class Engine:
             del self._parent_of[rid]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self.scheduler.scoring.has_unfinished()
+        return bool(self._requests) or self.scheduler.scoring.has_unfinished() or \
+            self.causal.has_unfinished()
 
     def running_request_ids(self) -> list[str]:
         """The requests (as added: a parent, not its children) in the batch the next step runs
@@ -245,9 +240,12 @@ class Engine:
 
     def load(self) -> EngineLoad:
         scoring, canvases = self.scheduler.scoring, self.scheduler.canvases
+        causal_running, causal_waiting = self.causal.counts()
         return EngineLoad(
-            len(self.scheduler.running) + len(scoring.running) + len(canvases.running),
-            len(self.scheduler.waiting) + len(scoring.waiting) + len(canvases.waiting),
+            len(self.scheduler.running) + len(scoring.running) + len(canvases.running)
+            + causal_running,
+            len(self.scheduler.waiting) + len(scoring.waiting) + len(canvases.waiting)
+            + causal_waiting,
             self.pool.num_used, self.pool.num_pages)
 
     # ---- the step --------------------------------------------------------------------------
@@ -255,11 +253,12 @@ class Engine:
         """One engine step. Returns an output for every request that finished in it
         (`finished=True`; a scoring request's LoglikelihoodOutput) or whose current block became
         FINAL (`finished=False`, partial)."""
+        causal = self.causal.step()      # the causal-commit decodings' step (nemotron_runner.py)
         clock = StepClock.observed(self.device, self._observers, self.spec.vocab_size)
         copies, moved = self.transfer.copies, self.transfer.bytes
         out = self.schedule()
         if not out.items and not out.score_items and not out.canvas_items:
-            return []
+            return causal
         clock.lap("schedule")
         self._notify("on_schedule", out)
         clock.start_device()
@@ -282,7 +281,7 @@ class Engine:
                 clock, result.prepare_s, out,
                 host_copies=result.host_copies + self.transfer.copies - copies,
                 host_bytes=result.host_bytes + self.transfer.bytes - moved))
-        return outputs
+        return outputs + causal
 
     def schedule(self) -> SchedulerOutput:
         """Admit what the pages allow, ask every running request's strategy for its plan

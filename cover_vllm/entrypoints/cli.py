@@ -112,9 +112,9 @@ def _bench_spec(args: argparse.Namespace):
 
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from cover_vllm.benchmarks.report import format_markdown, format_table, write_plot
-    from cover_vllm.benchmarks.throughput import run_throughput
+    from cover_vllm.benchmarks.nemotron import bench_throughput
 
-    report = run_throughput(_bench_spec(args))
+    report = bench_throughput(_bench_spec(args), args.load_format)
     print(format_table(report["results"]))
     if args.json:
         with open(args.json, "w") as f:
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-invariant", action="store_true",
                    help="run every row also in the batch-invariant mode, beside the default "
                    "(rows <dtype>+invariant; docs/batch_invariance.md)")
+    t.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights (always so for a built-in shape)")
     t.add_argument("--reference-prompts", type=int, default=1,
                    help="requests timed through the dense reference loop (0: skip)")
     t.add_argument("--repeats", dest="timed_runs", metavar="N", type=positive_int, default=1,

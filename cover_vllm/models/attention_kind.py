@@ -18,6 +18,9 @@ class AttentionKind:
     kind: str = "full"
     block_size: int | None = None    # block_causal: the model's own block (a request's
                                      # block_length overrides it)
+    causal_commit: bool = False      # block_causal: a finished block's K/V come from a causal
+                                     # forward (Nemotron-Labs-Diffusion): rows before the
+                                     # current block see keys <= their own position only
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_KINDS:

@@ -205,3 +205,32 @@ DIFFUSION_GEMMA_MINI: dict[str, Any] = {
         "vocab_size": 32768, "max_position_embeddings": 8192,
     },
 }
+
+
+# nvidia/Nemotron-Labs-Diffusion-{3B,8B,14B} (May 2026): Ministral-3 backbones (32 heads, 8 kv
+# heads, head_dim 128, RMSNorm eps 1e-5, no biases), YaRN factor 16 over 16384 original positions
+# with the Llama-4 q scale (beta 0.1), vocabulary 131072, [MASK] 100, bos 1, eos 11, block 32,
+# untied `diffusion_head` (issue #50's table of the released configs).
+NEMOTRON_DIFFUSION_8B: dict[str, Any] = {
+    "model_type": "nemotron_labs_diffusion", "architectures": ["NemotronLabsDiffusionModel"],
+    "hidden_size": 4096, "num_hidden_layers": 34, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 131072, "mask_token_id": 100, "bos_token_id": 1, "eos_token_id": 11,
+    "pad_token_id": 11, "block_size": 32, "dlm_paradigm": "bidirectional",
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    "tie_word_embeddings": False, "max_position_embeddings": 262144,
+    "torch_dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                        "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                        "llama_4_scaling_beta": 0.1},
+}
+NEMOTRON_DIFFUSION_3B: dict[str, Any] = {
+    **NEMOTRON_DIFFUSION_8B, "hidden_size": 3072, "num_hidden_layers": 26,
+    "intermediate_size": 9216,
+}
+NEMOTRON_DIFFUSION_14B: dict[str, Any] = {
+    **NEMOTRON_DIFFUSION_8B, "hidden_size": 5120, "num_hidden_layers": 40,
+    "intermediate_size": 16384,
+    "rope_parameters": {**NEMOTRON_DIFFUSION_8B["rope_parameters"], "rope_theta": 1e9},
+}

@@ -44,6 +44,7 @@ class BlockCausal:
 
     config_key: str | None = None
     default: int | None = None
+    causal_commit: bool = False      # AttentionKind.causal_commit
 
     def __call__(self, config: Config) -> AttentionKind:
         size = config.get(self.config_key) if self.config_key else None
@@ -51,7 +52,7 @@ class BlockCausal:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"config.json {self.config_key or 'block size'}={size!r}: a "
                              "block-causal model needs an int block size >= 1")
-        return AttentionKind("block_causal", size)
+        return AttentionKind("block_causal", size, self.causal_commit)
 
 
 def no_fused_tensors(config: Config) -> dict[str, tuple[int, ...]]:
@@ -144,6 +145,15 @@ FAMILIES: tuple[Family, ...] = (
            "LLaDA2MoeModelLM", attention=BlockCausal(default=32),
            fused_tensors=llada2_fused_tensors,
            shapes={"llada2-mini": configs.LLADA2_MINI, "llada2.1-mini": configs.LLADA2_MINI}),
+    # Nemotron-Labs-Diffusion: block 32 (config.json `block_size`); its own decodings
+    # (`nemotron`, `ar`, `linear_spec`: models/nemotron_decode.py) commit each block causally
+    Family("nemotron_labs_diffusion", ("nemotron_labs_diffusion",),
+           ("cover_vllm.models.nemotron", "NemotronLabsDiffusionModel"),
+           "NemotronLabsDiffusionModel", attention=BlockCausal("block_size", default=32, causal_commit=True),
+           default_decoding="nemotron",
+           shapes={"nemotron-diffusion-3b": configs.NEMOTRON_DIFFUSION_3B,
+                   "nemotron-diffusion-8b": configs.NEMOTRON_DIFFUSION_8B,
+                   "nemotron-diffusion-14b": configs.NEMOTRON_DIFFUSION_14B}),
     # uniform-state canvases (no [MASK]) decoded by its own sampler; the canvas (`canvas_length`)
     # is its block; text only:
     # the vision tower is never loaded; int4 groups of 64: Gemma 4's widths 704 and 2112 are

@@ -59,6 +59,8 @@ class WorkItem:
                                               # a row at p sees keys < (p // B + 1) * B
     masked_rows_only: bool = False            # the decoder reads only the view's [MASK] rows
                                               # and seeds (worker/logit_rows.py)
+    causal_commit: bool = False               # ... except rows before the window's last block,
+                                              # which see keys <= p (a causal commit)
 
     def attention_pairs(self) -> int:
         """Query-key pairs one canvas copy's window attends over (its visible keys per row)."""

@@ -82,6 +82,8 @@ class Request:
         self.prompt_len = len(prompt_token_ids)
         self.mask_id = spec.mask_token_id
         self.causal_block = self._causal_block(params, strategy)
+        self.causal_commit = (self.causal_block is not None
+                              and strategy.spec.attention.causal_commit)
         canvas_len = self.prompt_len + params.max_tokens
         if self.causal_block is None:
             block = params.block_length or strategy.default_block_length(params.max_tokens)

@@ -240,7 +240,8 @@ class Scheduler:
                         override=[(s, max(s - self.logit_shift, 0)) for s in seeds],
                         cfg_scale=plan.cfg_scale, want_stats=plan.want_stats,
                         extra=plan.extra, embed_edit=plan.embed_edit,
-                        causal_block=req.causal_block, masked_rows_only=plan.masked_rows_only)
+                        causal_block=req.causal_block, masked_rows_only=plan.masked_rows_only,
+                        causal_commit=req.causal_commit)
         if ids is None:
             pending[-1] = (item, *pending[-1])
         return item

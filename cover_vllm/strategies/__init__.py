@@ -36,7 +36,13 @@ STRATEGIES = {
 CANVAS_DECODERS = {
     "diffusion_gemma": ("cover_vllm.strategies.diffusion_gemma", "DiffusionGemmaDecoder"),
 }
-DECODERS = {**STRATEGIES, **CANVAS_DECODERS}     # every `decoding` name
+# Nemotron-Labs-Diffusion's own decodings, run by engine/nemotron_runner.py (not Strategies)
+CAUSAL_DECODERS = {
+    "nemotron": ("cover_vllm.strategies.nemotron", "Nemotron"),
+    "ar": ("cover_vllm.strategies.nemotron", "AR"),
+    "linear_spec": ("cover_vllm.strategies.nemotron", "LinearSpec"),
+}
+DECODERS = {**STRATEGIES, **CANVAS_DECODERS, **CAUSAL_DECODERS}     # every `decoding` name
 
 
 def strategy_class(name: str) -> type:
@@ -92,5 +98,5 @@ def _check_type(what: str, value: Any, hint: Any, strategy: str) -> None:
                      f"{type(value).__name__} {value!r}")
 
 
-__all__ = ["BlockState", "CANVAS_DECODERS", "CanvasRows", "DECODERS", "Decision", "STRATEGIES", "StepBatch", "Strategy",
+__all__ = ["BlockState", "CANVAS_DECODERS", "CAUSAL_DECODERS", "CanvasRows", "DECODERS", "Decision", "STRATEGIES", "StepBatch", "Strategy",
            "StrategyParams", "decide_now", "make_params", "strategy_class"]

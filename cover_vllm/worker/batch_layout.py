@@ -53,7 +53,8 @@ def lay_out(out: SchedulerOutput, shift: int) -> Layout:
                      if cond and item.extra is not None else None)
             lay.seqs.append(SeqLayout(w0, n, canvas.key_slots, item.override if cond else [],
                                       extra_allowed=extra, positions=item.window_positions,
-                                      causal_block=item.causal_block))
+                                      causal_block=item.causal_block,
+                                      causal_commit=item.causal_commit))
             lay.ids.append(canvas.input_ids)
             table.append((w0, n, item.view_start, item.view_end - item.view_start, offset,
                           measured if cond else 0))

@@ -37,17 +37,22 @@ class _RatioCollector:
         self.metrics = metrics
 
     def collect(self):
-        nfe, decoded = self.metrics.nfe_sum, self.metrics.decoded_sum
-        family = GaugeMetricFamily(PREFIX + "nfe_per_token",
-                                   "Model forwards per decoded token over all finished requests")
-        family.add_metric([], nfe / decoded if decoded else 0.0)
-        yield family
-        hits, queries = self.metrics.prefix_hit_sum, self.metrics.prefix_query_sum
-        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
-                                 "Prompt tokens served from the prefix cache / tokens looked up "
-                                 "(block-causal models; finished requests)")
-        rate.add_metric([], hits / queries if queries else 0.0)
-        yield rate
+        m = self.metrics
+        yield _ratio("nfe_per_token", "Model forwards per decoded token over all finished "
+                     "requests", m.nfe_sum, m.decoded_sum)
+        yield _ratio("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                     "tokens looked up (block-causal models; finished requests)",
+                     m.prefix_hit_sum, m.prefix_query_sum)
+        yield _ratio("spec_acceptance_length", "Self-speculation (decoding=linear_spec): tokens "
+                     "accepted per verify, bonus included (finished requests)",
+                     m.spec_accepted_sum, m.spec_verify_sum)
+
+
+def _ratio(name: str, doc: str, num: float, den: float) -> GaugeMetricFamily:
+    """A gauge PREFIX + name = num / den (0 while den is 0)."""
+    family = GaugeMetricFamily(PREFIX + name, doc)
+    family.add_metric([], num / den if den else 0.0)
+    return family
 
 
 class _ReplicaCollector:
@@ -88,6 +93,8 @@ class ServerMetrics:
         self.decoded_sum = 0
         self.prefix_hit_sum = 0
         self.prefix_query_sum = 0
+        self.spec_accepted_sum = 0
+        self.spec_verify_sum = 0
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests that ended, by outcome",
@@ -112,6 +119,10 @@ class ServerMetrics:
                                       "up in the prefix cache", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens whose K/V came "
                                    "from the prefix cache", registry=r)
+        self.spec_verifies = Counter(PREFIX + "spec_verifies", "Self-speculation verifies "
+                                     "(decoding=linear_spec) of finished requests", registry=r)
+        self.spec_accepted = Counter(PREFIX + "spec_accepted_tokens", "Tokens those verifies "
+                                     "accepted, bonus included", registry=r)
         self.kv_pages_used = Gauge(PREFIX + "kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_pages_total = Gauge(PREFIX + "kv_pages_total", "KV cache pages in the pool",
                                     registry=r)
@@ -152,6 +163,11 @@ class ServerMetrics:
         self.prefix_hits.inc(m.cached_prompt_tokens)
         self.prefix_query_sum += m.prefix_query_tokens
         self.prefix_hit_sum += m.cached_prompt_tokens
+        if m.verifies:
+            self.spec_verifies.inc(m.verifies)
+            self.spec_accepted.inc(m.accepted_tokens)
+            self.spec_verify_sum += m.verifies
+            self.spec_accepted_sum += m.accepted_tokens
 
     def on_outcome(self, outcome: str) -> None:
         """A request that ended without output: 'abort' (client gone) or 'error'."""

@@ -1,0 +1,89 @@
+"""Nemotron-Labs-Diffusion's draft adapter: a PEFT LoRA (the checkpoint's `linear_spec_lora/`
+subfolder: `adapter_config.json` + `adapter_model.safetensors`) that self-speculation turns on
+for its diffusion-mode draft forwards only, off for prefills, commits and verifies (the official
+`linear_spec_generate` toggles PEFT's `_disable_adapters` around them).
+
+Batched here: the runner marks which rows of a forward are draft rows (`set_rows`), and each
+adapted Linear adds scale·B(A(x)) to those rows only, so drafts and verifies of different
+requests share one forward. scale = lora_alpha / r (lora_alpha / sqrt(r) with `use_rslora`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+ADAPTER_DIR = "linear_spec_lora"
+PREFIX = "base_model.model."
+
+
+class DraftAdapter:
+    """LoRA pairs hooked onto the model's Linears, active on the rows `set_rows` marks."""
+
+    def __init__(self, model: nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 scale: float):
+        self.scale, self.rows = scale, None
+        modules = dict(model.named_modules())
+        missing = sorted(set(pairs) - set(modules))
+        if missing:
+            raise ValueError(f"LoRA adapter targets modules the model lacks: {missing[:3]}")
+        self.handles = []
+        ref = next(model.parameters())
+        for name, (a, b) in pairs.items():
+            lin = modules[name]
+            if a.shape[1] != lin.in_features or b.shape[0] != lin.out_features:
+                raise ValueError(f"LoRA shapes of {name} ({tuple(a.shape)}, {tuple(b.shape)}) "
+                                 f"do not fit its [{lin.out_features}, {lin.in_features}] weight")
+            pair = (a.to(ref.device, ref.dtype), b.to(ref.device, ref.dtype))
+            self.handles.append(lin.register_forward_hook(self._hook(pair)))
+
+    def _hook(self, pair):
+        a, b = pair
+
+        def add_lora(module, inputs, out):
+            if self.rows is None:
+                return out
+            x = inputs[0]
+            delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
+            return out + delta * (self.scale * self.rows[:, None].to(out.dtype))
+        return add_lora
+
+    def set_rows(self, rows: torch.Tensor | None) -> None:
+        """[T] bool: the rows of the next forward that run the adapter (None: none)."""
+        self.rows = rows
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def load_draft_adapter(model: nn.Module, model_dir: str | Path | None) -> DraftAdapter | None:
+    """The checkpoint's draft adapter attached to `model` (model.draft_adapter), or None when
+    `model_dir` has no `linear_spec_lora/` subfolder."""
+    if model_dir is None:
+        return None
+    folder = Path(model_dir) / ADAPTER_DIR
+    if not (folder / "adapter_config.json").is_file():
+        return None
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{folder}: peft_type={config.get('peft_type')!r}; only LORA adapters")
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scale = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    pairs: dict[str, list] = {}
+    for key, t in tensors.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        for part, index in ((".lora_A.weight", 0), (".lora_B.weight", 1)):
+            if name.endswith(part):
+                pairs.setdefault(name[:-len(part)], [None, None])[index] = t
+    if not pairs or any(a is None or b is None for a, b in pairs.values()):
+        raise ValueError(f"{folder}: adapter_model.safetensors needs lora_A and lora_B weights "
+                         "for every target module")
+    adapter = DraftAdapter(model, {k: (a, b) for k, (a, b) in pairs.items()}, scale)
+    model.draft_adapter = adapter
+    return adapter
