@@ -17,6 +17,11 @@ MAX_N = 64            # most outputs per prompt (`n`), offline and on the server
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+
+class FieldTypeError(TypeError, ValueError):
+    """A field of the wrong type: a TypeError, and a ValueError like every other bad field
+    (the server's 400; issue #52), so `except ValueError` catches it."""
+
 def _check_int(name: str, value: Any, allow_none: bool) -> None:
     if value is None and allow_none:
         return
@@ -244,9 +249,9 @@ class SamplingParams:
         knobs = self.decoding_params
         if knobs is not None and not is_dataclass(knobs) and not (
                 isinstance(knobs, dict) and all(isinstance(k, str) for k in knobs)):
-            raise TypeError("SamplingParams.decoding_params must be a dict of the decoder's "
-                             "knobs (or its params dataclass), got "
-                             f"{type(knobs).__name__}")
+            raise FieldTypeError("SamplingParams.decoding_params must be a dict of the decoder's "
+                                     "knobs (or its params dataclass), got "
+                                 f"{type(knobs).__name__}")
         self._check_decoding()
 
     def clone(self) -> "SamplingParams":

@@ -21,6 +21,8 @@ def test_sampling_numbers_must_be_finite(name, value) -> None:
 def test_decoding_params_are_checked_at_construction() -> None:
     with pytest.raises(TypeError, match="decoding_params must be a dict"):
         SamplingParams(decoding_params="x")
+    with pytest.raises(ValueError, match="decoding_params must be a dict"):
+        SamplingParams(decoding_params="x")
     with pytest.raises(TypeError, match="decoding_params must be a dict"):
         SamplingParams(decoding_params={1: 0.9})
     with pytest.raises(ValueError, match=r"decoding_params \['treshold'\]: no decoder has"):

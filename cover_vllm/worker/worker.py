@@ -95,6 +95,8 @@ class Worker:
                                   canvas, capture)
         # batch_invariant: every forward under one mode (its measured kernel policies persist)
         self.invariant = invariant_context(config.batch_invariant, device)
+        if config.batch_invariant:      # which rows reach the LM head depends on the batch
+            self.runner.masked_logits = False
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         with self.invariant:
