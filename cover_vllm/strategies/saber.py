@@ -156,7 +156,8 @@ class Saber(Strategy):
                     recall):
         n = self.params.n
         tokens, logits = propose(batch)
-        conf = token_prob(logits, tokens, torch.float32).masked_fill(~prefix, NEG_INF)  # [n, W]
+        conf = token_prob(logits, tokens, torch.float32, mask=batch.mask_column)   # [n, W]
+        conf = conf.masked_fill(~prefix, NEG_INF)
         last = on_device(recall("last_conf"), conf)                    # conf in the last step
         delta = conf - last
         delta = torch.where(torch.isfinite(delta), delta, float("inf"))
