@@ -107,7 +107,7 @@ def test_bf16_llada_50m_no_cache_128_tokens_equal_the_official_order():
     prompt = torch.randint(0, mask_id - 2, (16,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM("llada-50m", load_format="dummy", seed=0, dtype="bfloat16", kv_cache="none",
-              num_threads=2)
+              num_threads=1)
     params = SamplingParams(max_tokens=128, block_length=32, ignore_eos=True,
                             decoding="threshold")
     result = llm.generate([prompt], params, use_tqdm=False)[0]
