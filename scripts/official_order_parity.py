@@ -7,7 +7,7 @@ One random checkpoint per seed (`load_format="dummy"`), bf16, batch 1, blocks of
 none / prefix / dual: the engine against the official-order reference of tests/official_order.py
 (the official RMSNorm, RoPE, q/k/v and attention order; the decoding loops of Fast-dLLM's
 generate / prefix / dual cache functions). Rules:
-* `threshold`: Fast-dLLM's threshold 0.9 (engine: decoding="threshold");
+* `threshold`: Fast-dLLM's threshold (`--threshold`, 0.9; engine: decoding="threshold");
 * `fixed`: Fast-dLLM without a threshold, `gen_length // 2` steps (two tokens a step), float64
   softmax (engine: decoding="threshold", threshold None);
 * `low_confidence`: LLaDA's `generate`, the same schedule, float32 softmax (engine:
@@ -34,11 +34,12 @@ from official_order import OfficialLLaDA, Rule, generate  # noqa: E402
 BLOCK = 32
 
 
-def _rule(name: str, gen_length: int) -> tuple[Rule, dict]:
+def _rule(name: str, gen_length: int, threshold: float) -> tuple[Rule, dict]:
     """The reference's rule and the engine's SamplingParams fields for it."""
     steps = gen_length // 2
     if name == "threshold":
-        return Rule(0.9), dict(decoding="threshold")
+        return Rule(threshold), dict(decoding="threshold",
+                                     decoding_params={"threshold": threshold})
     if name == "fixed":
         return Rule(None, steps), dict(decoding="threshold", decoding_params={"threshold": None},
                                        steps=steps)
@@ -54,7 +55,7 @@ def _case(args, seed: int, gen_length: int, rule_name: str, mode: str) -> str:
     ref = OfficialLLaDA(load_model(args.model, "bfloat16", "dummy", seed), cfg)
     prompt = torch.randint(0, mask_id - 2, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(seed)).tolist()
-    rule, fields = _rule(rule_name, gen_length)
+    rule, fields = _rule(rule_name, gen_length, args.threshold)
     llm = LLM(args.model, load_format="dummy", seed=seed, dtype="bfloat16", kv_cache=mode,
               num_threads=args.threads, fast_norm=args.fast_norm)
     params = SamplingParams(max_tokens=gen_length, block_length=BLOCK, ignore_eos=True, **fields)
@@ -76,6 +77,8 @@ def main() -> None:
     p.add_argument("--modes", default="none,prefix,dual")
     p.add_argument("--rules", default="threshold")
     p.add_argument("--seeds", default="0")
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="the threshold rule's bar (random weights: top probabilities near 3e-4)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fast-norm", action="store_true", help="the engine's one-op RMSNorm")
     args = p.parse_args()
