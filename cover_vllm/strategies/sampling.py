@@ -184,7 +184,7 @@ class MaskColumn:
     logits: torch.Tensor        # [n, W] float32, the [MASK] column before the -inf
 
     def restore(self, logits: torch.Tensor, dtype: torch.dtype,
-                rows: "Rows | None" = None) -> torch.Tensor:
+                rows: Rows | None = None) -> torch.Tensor:
         """A copy of `logits` ([n, W, V], or [N, V] = `rows.take` of them) in `dtype` with the
         [MASK] column written back: the rows the official softmax reads, bit for bit."""
         out = logits.to(dtype, copy=True)
@@ -193,8 +193,8 @@ class MaskColumn:
         return out
 
 
-def _softmax(logits: torch.Tensor, dtype: torch.dtype, mask: MaskColumn | None,
-             rows: "Rows | None" = None) -> torch.Tensor:
+def softmax_probs(logits: torch.Tensor, dtype: torch.dtype, mask: MaskColumn | None,
+                  rows: Rows | None = None) -> torch.Tensor:
     """softmax over the vocabulary in `dtype`, over the official row when `mask` is given."""
     x = logits.to(dtype) if mask is None else mask.restore(logits, dtype, rows)
     return torch.softmax(x, dim=-1)
@@ -212,11 +212,11 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
     costs one copy of the rows read (none extra in float64, where the cast copies anyway).
     """
     if rows is None:
-        return _softmax(logits, dtype, mask).gather(-1, tokens[..., None]).squeeze(-1)
+        return softmax_probs(logits, dtype, mask).gather(-1, tokens[..., None]).squeeze(-1)
     rows = as_rows(rows)
     if picked is None:
         picked = rows.take(logits)                                          # [N, V]
-    probs = _softmax(picked, dtype, mask, rows)
+    probs = softmax_probs(picked, dtype, mask, rows)
     return rows.put(probs.gather(-1, rows.take(tokens)[:, None]).squeeze(-1), 0.0)
 
 
