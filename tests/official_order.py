@@ -12,11 +12,14 @@ one op per official op, in the model's dtype:
 * MLP: silu(ff_proj(h)) * up_proj(h), ff_out; residuals; ln_f; ff_out (the head).
 
 The loops follow Fast-dLLM's `generate` (no cache), `generate_with_prefix_cache` and
-`generate_with_dual_cache` at temperature 0 with a threshold: per block, one forward of the whole
+`generate_with_dual_cache` at temperature 0 (`Rule`): per block, one forward of the whole
 canvas, then forwards of the block (dual: keys of the whole canvas from the block's first forward,
 the block's own fresh) or of the block and everything after it (prefix: keys before the block from
-the first forward); candidates argmax, confidence the float64 softmax probability; the most
-confident masked position always, and every other one whose confidence reaches the threshold.
+the first forward); candidates argmax, confidence the softmax probability over the whole
+vocabulary, [MASK] included (float64; float32 for LLaDA's `generate`); with a threshold the most
+confident masked position always and every other one whose confidence reaches it, without one
+the top k of LLaDA's linear schedule. Exactly equal confidences go to the lower position (the
+official `torch.topk` orders them its own way: docs/benchmarks.md, #48).
 """
 
 from __future__ import annotations
