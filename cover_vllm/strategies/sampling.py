@@ -187,6 +187,7 @@ class MaskColumn:
                 rows: Rows | None = None) -> torch.Tensor:
         """A copy of `logits` ([n, W, V], or [N, V] = `rows.take` of them) in `dtype` with the
         [MASK] column written back: the rows the official softmax reads, bit for bit."""
+        assert rows is None or not rows.nested, "the column is [n, W]: rows of the view"
         out = logits.to(dtype, copy=True)
         column = self.logits if rows is None else rows.take(self.logits)
         out.select(-1, self.token_id).copy_(column)
