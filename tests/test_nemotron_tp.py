@@ -60,15 +60,19 @@ def test_tp2_equals_tp1_engine_decoders(pair):
 
 
 @pytest.mark.slow   # worker processes
-@pytest.mark.parametrize("tag", ("model", "model_long"))
-def test_tp2_golden_cases_mixed_with_an_engine_decoder(tag):
+@pytest.mark.parametrize("tag, backend", [("model", "mp"), ("model_long", "mp"),
+                                          pytest.param("model_long", "ray",
+                                                       marks=pytest.mark.ray)])
+def test_tp2_golden_cases_mixed_with_an_engine_decoder(tag, backend, request):
     """Every official case of a checkpoint (three loops) in one TP=2 `generate` call beside a
     `cover` request: the official tokens and NFE; the cover request's are TP=1's."""
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
     cases = [c for c in CASES if c["model"] == tag]
     prompts = [{"prompt_token_ids": c["prompt_ids"][0]} for c in cases] + _prompts(2, (11,))
     sps = [params(c) for c in cases] + [SamplingParams(max_tokens=16, block_length=8,
                                                        decoding="cover", ignore_eos=True)]
-    sharded = _llm(DIR / tag, tp=2)
+    sharded = _llm(DIR / tag, tp=2, distributed_executor_backend=backend)
     try:
         got = sharded.generate(prompts, sps, use_tqdm=False)
     finally:
