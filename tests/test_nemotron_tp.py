@@ -105,7 +105,7 @@ def test_tp2_equals_tp1_longer_generations(pair):
 
 
 @pytest.mark.slow   # worker processes
-def test_tp2_loglikelihood_equals_tp1(pair):
+def test_tp2_loglikelihood_and_prompt_logprobs_equal_tp1(pair):
     single, sharded = pair
     reqs = [{"context_token_ids": [1, 20, 30, 40], "continuation_token_ids": [50, 60, 70]},
             {"context_token_ids": [1] + list(range(12, 60)), "continuation_token_ids": [99]}]
@@ -117,6 +117,12 @@ def test_tp2_loglikelihood_equals_tp1(pair):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
         assert a.is_greedy == b.is_greedy
         assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+    sp = SamplingParams(max_tokens=4, decoding="ar", prompt_logprobs=1)
+    a, b = (llm.generate([1, 20, 30, 40, 50], sp, use_tqdm=False)[0] for llm in pair[::-1])
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert {t: v.logprob for t, v in x.items()} == pytest.approx(
+            {t: v.logprob for t, v in y.items()}, abs=1e-5)
 
 
 @pytest.mark.slow   # worker processes
