@@ -198,6 +198,25 @@ def test_tp2_lora_draft_adapter_equals_tp1(lora_dir):  # noqa: F811
 
 
 @pytest.mark.slow   # worker processes
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_tp2_quantized_with_the_adapter_equals_tp1(lora_dir, quantization):  # noqa: F811
+    """Quantized shards (W8A8: TP=1's row scales, exact integer sums) and the sharded adapter
+    on the quantized o_proj: TP=2 gives TP=1's tokens, NFE and acceptance."""
+    path, _ = lora_dir
+    prompts = _prompts(5, (10, 10, 10, 10))
+    sps = [SamplingParams(max_tokens=32, block_length=8, decoding=d, ignore_eos=True)
+           for d in ("linear_spec", "nemotron", "ar", "linear_spec")]
+    runs = []
+    for tp in (1, 2):
+        llm = _llm(path, tp=tp, quantization=quantization)
+        try:
+            runs.append(_summary(llm.generate(prompts, sps, use_tqdm=False)))
+        finally:
+            llm.shutdown()
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.slow   # worker processes
 def test_killed_rank_fails_the_causal_decodings():
     """A rank killed between two of the runner's forwards: WorkerDiedError naming it, the
     in-flight requests dropped, and the engine keeps saying so."""
