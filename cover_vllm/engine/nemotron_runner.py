@@ -8,8 +8,9 @@ tokens do not depend on the batch: its pieces see only its own cache slot.
 
 It reuses the engine's loaded model (the same weights, dtype and device) and is driven by
 the engine (`Engine.add_request` / `step` / `abort_request`), so `LLM`, the server and the
-benchmarks reach it like any decoder; it runs in the driver's process (tensor_parallel_size=1).
-Its slot cache is allocated beside the engine's paged pool, on demand.
+benchmarks reach it like any decoder. Its slots are pages of the engine's own pool; its forward
+goes through the engine's executor (`executor.run_pieces`), so under tensor parallelism every
+rank runs its shard of it over the same pages (executor/tp_executor.py, #50).
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import torch
 from cover_vllm.engine.setup import prompt_ids
 from cover_vllm.engine.setup import prefix_caching
 from cover_vllm.engine.nemotron_scoring import causal_loglikelihood, check_scoring
-from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.scoring.params import LoglikelihoodParams
-from cover_vllm.models.nemotron_cache import (PagedSlots, SlotCache, causal_page_keys,
-                                              run_pieces)
+from cover_vllm.models.nemotron_cache import PagedSlots, SlotCache, causal_page_keys
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
@@ -38,11 +37,10 @@ class NemotronRunner:
     """`generate(requests)` for requests whose decoding is one of CAUSAL_DECODINGS."""
 
     def __init__(self, engine, model_path=None):
-        if engine.config.tensor_parallel_size != 1:
-            raise ValueError("decoding='nemotron' | 'ar' | 'linear_spec' runs in the driver "
-                             "process: use tensor_parallel_size=1")
         self.engine, self.spec = engine, engine.spec
-        self.model = engine.executor.model
+        self.model = engine.executor.model              # the driver's (a shard under TP)
+        # forward(cache, pieces) -> logits: in-process, or on every tensor-parallel rank
+        self.forward = engine.executor.run_pieces
         param = next(self.model.parameters())
         dims = self.model.dims
         # the engine's own pages: one KV budget, admission by free pages
@@ -56,8 +54,7 @@ class NemotronRunner:
         self._known: set[str] = set()
         self.scoring: list[tuple] = []                   # (request id, pair, params)
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
-        self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
-            self.model, model_path)
+        self.adapter = engine.executor.draft_adapter(model_path)
         self.prefix_caching = prefix_caching(engine.config, self.spec)
 
     def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
@@ -139,7 +136,7 @@ class NemotronRunner:
             self.running.append(item)
         if not self.running:
             return scored
-        logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in self.running])
+        logits = self.forward(self.cache, [r[2].next_piece() for r in self.running])
         still, finished = [], []
         for item, rows in zip(self.running, logits):
             loop = item[2]

@@ -10,6 +10,11 @@ length + index (the length then grows by the piece). A request's length can be c
 
 Pieces of different lengths are padded to the longest (padded queries see only themselves and
 are dropped; padded keys are hidden), so every request of a step shares one GEMM per weight.
+
+Under tensor parallelism (#50) the driver's `PagedSlots` keeps all the bookkeeping; each step's
+`PiecesCall` carries what the other ranks need to run the same forward statelessly (the pieces,
+every piece's length and page ids), and a rank runs it over its own KV shard (`run_call`): the
+same page ids, its own kv heads.
 """
 
 from __future__ import annotations
@@ -118,9 +123,7 @@ class PagedSlots:
         pages = hits + fresh
         slot, self._next = self._next, self._next + 1
         self.cached[slot] = len(hits) * self.page_size
-        pos = torch.arange(len(pages) * self.page_size)
-        base = torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size
-        self.tables[slot] = (base + pos % self.page_size).to(self.device)
+        self.tables[slot] = page_table(pages, self.page_size, self.device)
         self.pages[slot], self.lengths[slot] = pages, 0
         return slot
 
@@ -133,13 +136,63 @@ class PagedSlots:
         for page, key in zip(self.pages[slot], keys):
             self.pool.index(page, key)
 
-
     def truncate(self, slot: int, length: int) -> None:
         assert 0 <= length <= self.lengths[slot]
         self.lengths[slot] = length
 
     def table(self, slot: int) -> torch.Tensor:
         return self.tables[slot]
+
+
+def page_table(pages: list[int], page_size: int, device) -> torch.Tensor:
+    """[len(pages) * page_size] flat cache index of each position of a slot made of `pages`."""
+    pos = torch.arange(len(pages) * page_size)
+    base = torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size
+    return (base + pos % page_size).to(device)
+
+
+@dataclass
+class PiecesCall:
+    """One batched forward as a tensor-parallel rank receives it: no slot of its own to track."""
+
+    pieces: list[Piece]
+    lengths: dict[int, int]            # slot -> its cached length before the forward
+    pages: dict[int, list[int]]        # slot -> its page ids (empty: it reads and writes none)
+
+
+def pieces_call(cache, pieces: list[Piece]) -> PiecesCall:
+    """What the other ranks need to repeat `run_pieces(model, cache, pieces)` on their shards.
+    Pages exist on every rank only for `PagedSlots` (the engine's pool); a standalone cache's
+    pieces may neither read nor write (the likelihood's scratch)."""
+    lengths = {p.slot: cache.lengths[p.slot] for p in pieces}
+    pages = getattr(cache, "pages", None)
+    if pages is None:
+        if any(p.write or lengths[p.slot] for p in pieces):
+            raise ValueError("under tensor parallelism a forward that reads or writes K/V must "
+                             "use the engine's paged pool (PagedSlots), which every rank holds")
+        return PiecesCall(pieces, lengths, {slot: [] for slot in lengths})
+    return PiecesCall(pieces, lengths, {slot: pages[slot] for slot in lengths})
+
+
+class PageView:
+    """A rank's stand-in for the driver's `PagedSlots` during one `PiecesCall`: the rank's own
+    K/V shard, the lengths and tables the call names (changes are dropped with it)."""
+
+    def __init__(self, cache, page_size: int, call: PiecesCall):
+        self.k, self.v = cache.k, cache.v
+        self.device = self.k[0].device
+        self.lengths = dict(call.lengths)
+        self.tables = {slot: page_table(pages, page_size, self.device)
+                       for slot, pages in call.pages.items()}
+
+    def table(self, slot: int) -> torch.Tensor:
+        return self.tables[slot]
+
+
+def run_call(model, cache, page_size: int, call: PiecesCall) -> None:
+    """A non-driver rank's share of a batched forward: its K/V writes and its part of every
+    all-reduce. No logits (only the driver's are used; the LM head needs no collective)."""
+    run_pieces(model, PageView(cache, page_size, call), call.pieces, logits=False)
 
 
 def causal_page_keys(prompt: list[int], page_size: int) -> list[bytes]:
@@ -214,9 +267,10 @@ class PieceAttention:
         return o.transpose(1, 2).reshape(b * n, -1)
 
 
-def run_pieces(model, cache: SlotCache, pieces: list[Piece]) -> list[torch.Tensor]:
-    """One batched forward of `pieces`; per piece its `logits_rows` logits [rows, V] (fp32).
-    Written pieces advance their slot's length."""
+def run_pieces(model, cache: SlotCache, pieces: list[Piece],
+               logits: bool = True) -> list[torch.Tensor] | None:
+    """One batched forward of `pieces`; per piece its `logits_rows` logits [rows, V] (fp32),
+    None without `logits`. Written pieces advance their slot's length."""
     attn = PieceAttention(cache, pieces)
     n = attn.n
     ids = torch.full((len(pieces), n), 0, dtype=torch.long)
@@ -231,12 +285,15 @@ def run_pieces(model, cache: SlotCache, pieces: list[Piece]) -> list[torch.Tenso
     finally:
         if adapter is not None:
             adapter.set_rows(None)
-    want = [i * n + r for i, p in enumerate(pieces) for r in p.logits_rows]
-    logits = model.compute_logits(hidden.index_select(0, torch.tensor(want, dtype=torch.long, device=cache.device)))
     for p in pieces:
         if p.write:
             cache.lengths[p.slot] += len(p.tokens)
-    return list(logits.float().split([len(p.logits_rows) for p in pieces]))
+    if not logits:
+        return None
+    want = torch.tensor([i * n + r for i, p in enumerate(pieces) for r in p.logits_rows],
+                        dtype=torch.long, device=cache.device)
+    out = model.compute_logits(hidden.index_select(0, want))
+    return list(out.float().split([len(p.logits_rows) for p in pieces]))
 
 
 def _adapter_rows(pieces: list[Piece], n: int, device) -> torch.Tensor | None:
