@@ -214,7 +214,17 @@ class PieceAttention:
         return o.transpose(1, 2).reshape(b * n, -1)
 
 
-def run_pieces(model, cache: SlotCache, pieces: list[Piece]) -> list[torch.Tensor]:
+class PieceLogits(list):
+    """run_pieces' result: per piece its `logits_rows` logits [rows, V] (fp32), views of `flat`
+    [R, V], every piece's rows end to end, which the batched decisions read in one pass
+    (strategies/nemotron_decide.py)."""
+
+    def __init__(self, flat: torch.Tensor, sizes: list[int]):
+        super().__init__(flat.split(sizes))
+        self.flat = flat
+
+
+def run_pieces(model, cache: SlotCache, pieces: list[Piece]) -> PieceLogits:
     """One batched forward of `pieces`; per piece its `logits_rows` logits [rows, V] (fp32).
     Written pieces advance their slot's length."""
     attn = PieceAttention(cache, pieces)
@@ -236,7 +246,7 @@ def run_pieces(model, cache: SlotCache, pieces: list[Piece]) -> list[torch.Tenso
     for p in pieces:
         if p.write:
             cache.lengths[p.slot] += len(p.tokens)
-    return list(logits.float().split([len(p.logits_rows) for p in pieces]))
+    return PieceLogits(logits.float(), [len(p.logits_rows) for p in pieces])
 
 
 def _adapter_rows(pieces: list[Piece], n: int, device) -> torch.Tensor | None:
