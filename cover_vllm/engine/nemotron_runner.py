@@ -117,7 +117,7 @@ class NemotronRunner:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.scoring)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, forward one piece of every running request
         in one batch, and return the outputs of those that finished."""

@@ -14,8 +14,10 @@ computes, for the whole batch:
 
 then `HostTransfer.fetch` copies the [R] ids and the [R] confidences to the host in one copy (no
 vocabulary-sized tensor crosses), and each request's `absorb` works from plain Python lists.
-On the shapes-only "meta" device the host values are zeros: every decoding still ends (a zero
-token is never [MASK], and a draft of zeros is accepted whole), as the engine's dry runs do.
+On the shapes-only "meta" device the host tokens are zeros and the confidences distinct
+(descending), so a dry run takes the common path (no tie to settle) and every decoding still ends
+(a zero token is never [MASK], and a draft of zeros is accepted whole), as the engine's dry runs
+do (tests/test_nemotron_meta.py).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def decide(rows: PieceLogits, loops: list, transfer: HostTransfer) -> list[Picks
     out, start = [], 0
     for loop, size in zip(loops, sizes):
         end = start + size
-        out.append(Picks(ids[start:end], probs[start:end] if loop.wants_confidence else None))
+        conf = probs[start:end] if loop.wants_confidence else None
+        if conf is not None and logits.device.type == "meta":
+            conf = [1.0 - j / (size + 1) for j in range(size)]       # distinct: no tie to settle
+        out.append(Picks(ids[start:end], conf))
         start = end
     return out
 
