@@ -56,9 +56,9 @@ def own_counts(meta_8b):
 @pytest.mark.parametrize("decoding,knobs", OWN_DECODINGS)
 def test_own_decodings_device_and_host_ops(own_counts, decoding, knobs):
     one, many = (summary(own_counts[decoding, str(knobs), b]) for b in (1, 64))
-    print(f"nemotron-diffusion-8b {decoding} {knobs}: device ops/layer {one['device_per_layer']:.2f}"
-          f" (batch 1) {many['device_per_layer']:.2f} (batch 64); host ops {one['host']:.0f} / "
-          f"{many['host']:.0f}")
+    print(f"nemotron-diffusion-8b {decoding} {knobs}: device ops/layer "
+          f"{one['device_per_layer']:.2f} (batch 1) {many['device_per_layer']:.2f} (batch 64); "
+          f"host ops {one['host']:.0f} / {many['host']:.0f}")
     assert one["device_per_layer_max"] <= FLOOR_BAR
     assert many["device_per_layer_max"] <= FLOOR_BAR
     assert many["host_max"] <= HOST_GROWTH_BAR * one["host"]

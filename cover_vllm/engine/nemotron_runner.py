@@ -4,8 +4,9 @@ strategies/nemotron.py): continuous batching over a slot KV cache (models/nemotr
 Each step forwards one piece of every running request in one batch (a prefill, a diffusion
 step, a block's causal commit, an AR token, a draft or a verify, mixed), decides every request's
 picks at once on the logits' device with one copy to the host (strategies/nemotron_decide.py),
-hands each request its share, and admits waiting requests into freed slots (at most `max_num_seqs` run). A request's
-tokens do not depend on the batch: its pieces see only its own cache slot.
+hands each request its share, and admits waiting requests into freed slots (at most
+`max_num_seqs` run). A request's tokens do not depend on the batch: its pieces see only its own
+cache slot.
 
 It reuses the engine's loaded model (the same weights, dtype and device) and is driven by
 the engine (`Engine.add_request` / `step` / `abort_request`), so `LLM`, the server and the

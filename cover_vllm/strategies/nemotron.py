@@ -6,8 +6,9 @@ Each request says what its next forward is (`next_piece`: tokens, attention mode
 K/V are written, which logits rows it needs; models/nemotron_cache.py) and takes back what was
 decided on those rows (`absorb`): per row the picked token and, when it `wants_confidence`, that
 token's softmax probability, computed for the whole batch on the logits' device and copied to the
-host once a step (strategies/nemotron_decide.py); a request's own work is on plain lists. The runner (engine/nemotron_runner.py) forwards every running request's piece
-in one batch, so the three decodings mix freely; a request never depends on the others.
+host once a step (strategies/nemotron_decide.py); a request's own work is on plain lists. The
+runner (engine/nemotron_runner.py) forwards every running request's piece in one batch, so the
+three decodings mix freely; a request never depends on the others.
 
 NFE follows the official counts (../shared/golden/README.md "Nemotron-Labs-Diffusion"):
 `generate` counts every diffusion forward and each block's commit, not the prefill; `ar_generate`
