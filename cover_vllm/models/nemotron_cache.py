@@ -180,7 +180,7 @@ class PieceAttention:
         self.n = n = max(sizes)                                       # padded piece length
         # scoring: nothing cached, nothing kept; the keys are the fresh K/V themselves
         self.fresh_only = not any(lens) and not any(p.write for p in pieces)
-        self.num_keys = n if self.fresh_only else max(a + b for a, b in zip(lens, sizes))
+        self.num_keys = n if self.fresh_only else max(map(sum, zip(lens, sizes)))
         self.padded = any(size < n for size in sizes)
         rows, at = [], []            # every real row [b * n] and where it goes [b * num_keys]
         for i, (p, length, size) in enumerate(zip(pieces, lens, sizes)):
@@ -191,8 +191,9 @@ class PieceAttention:
         span = -(-self.num_keys // cache.page_size)                   # pages a piece may span
         pages = [(cache.page_list(p.slot) + [0] * span)[:span] for p in pieces]
         host = [torch.tensor(pages, dtype=torch.long).view(self.b, span),
-                torch.tensor([lens, sizes], dtype=torch.long), torch.tensor(rows, dtype=torch.long),
-                torch.tensor(at, dtype=torch.long), torch.tensor([p.causal for p in pieces])]
+                torch.tensor([lens, sizes], dtype=torch.long),
+                torch.tensor(rows, dtype=torch.long), torch.tensor(at, dtype=torch.long),
+                torch.tensor([p.causal for p in pieces])]
         pages, ls, rows, at, causal = to_device(host, cache.device)
         self._index(pages, at)
         self._positions = (ls[0][:, None] + torch.arange(n, device=cache.device)).reshape(-1)
@@ -220,7 +221,7 @@ class PieceAttention:
         b, n = self.b, self.n
         kv = k if v is None else None
         if self.fresh_only:
-            keys, values = window_kv(kv, k if kv is None else None, v, torch.Size((b, n)))
+            keys, values = window_kv(kv, k, v, torch.Size((b, n)))
         else:
             pair = self.cache.layers[layer]
             self._write(pair, kv, k, v)
