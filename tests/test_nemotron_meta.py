@@ -1,14 +1,25 @@
-"""The `nemotron-diffusion-8b` shape on the meta device: an engine step of the decoders inside
-its blocks (causal commit, YaRN, the Llama-4 q scale) stays within #42's bar of 32 device ops
-per layer, as LLaDA-8B's does (tests/test_op_count.py): with the one-op RMSNorm (`fast_norm`), as
-there; the default official norm order adds one op per norm (issue #48)."""
+"""The `nemotron-diffusion-8b` shape on the meta device (issue #50).
+
+* The decoders inside its blocks (causal commit, YaRN, the Llama-4 q scale): an engine step
+  stays within #42's bar of 32 device ops per layer, as LLaDA-8B's does (tests/test_op_count.py):
+  with the one-op RMSNorm (`fast_norm`), as there; the default official norm order adds one op
+  per norm (issue #48).
+* Its own decodings (`nemotron`, `ar`, `linear_spec`; engine/nemotron_runner.py): a runner step
+  stays within the same bar at batch 1 and 64, its host ops do not grow with the batch (at most
+  3x batch 1's), and what it copies to the host is a few numbers per logits row, never a
+  vocabulary-sized tensor (strategies/nemotron_decide.py).
+"""
 
 import pytest
 
 from cover_vllm import LLM, SamplingParams
-from cover_vllm.benchmarks.op_count import count_steps, summary
+from cover_vllm.benchmarks.op_count import count_steps, steady, summary
 
 FLOOR_BAR = 32
+HOST_GROWTH_BAR = 3          # host ops of a batch-64 step / a batch-1 step
+BLOCK = 32
+OWN_DECODINGS = [("nemotron", {}), ("nemotron", {"threshold": 0.9}), ("ar", {}),
+                 ("linear_spec", {}), ("linear_spec", {"threshold": 0.5})]
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +39,39 @@ def test_device_ops_per_layer(meta_8b, decoding, batch, request):
     print(f"nemotron-diffusion-8b {decoding} batch {batch}: "
           f"{s['device_per_layer']:.1f} device ops/layer")
     assert s["device_per_layer"] <= FLOOR_BAR
+
+
+@pytest.fixture(scope="module")
+def own_counts(meta_8b):
+    """{(decoding, params, batch): every step's counts} of 32 tokens in blocks of 32."""
+    counts = {}
+    for decoding, knobs in OWN_DECODINGS:
+        params = SamplingParams(max_tokens=32, block_length=BLOCK, ignore_eos=True,
+                                decoding=decoding, decoding_params=knobs)
+        for batch in (1, 64):
+            counts[decoding, str(knobs), batch] = count_steps(meta_8b, params, batch)
+    return counts
+
+
+@pytest.mark.parametrize("decoding,knobs", OWN_DECODINGS)
+def test_own_decodings_device_and_host_ops(own_counts, decoding, knobs):
+    one, many = (summary(own_counts[decoding, str(knobs), b]) for b in (1, 64))
+    print(f"nemotron-diffusion-8b {decoding} {knobs}: device ops/layer "
+          f"{one['device_per_layer']:.2f} (batch 1) {many['device_per_layer']:.2f} (batch 64); "
+          f"host ops {one['host']:.0f} / {many['host']:.0f}")
+    assert one["device_per_layer_max"] <= FLOOR_BAR
+    assert many["device_per_layer_max"] <= FLOOR_BAR
+    assert many["host_max"] <= HOST_GROWTH_BAR * one["host"]
+
+
+@pytest.mark.parametrize("decoding,knobs", OWN_DECODINGS)
+def test_own_decodings_copy_no_vocabulary_row(own_counts, meta_8b, decoding, knobs):
+    """Every step's copies to the host hold at most two numbers (a token id, a confidence) per
+    logits row it asked for, and none is vocabulary-sized."""
+    vocab = meta_8b.engine.dims.vocab_size
+    for batch in (1, 64):
+        steps = own_counts[decoding, str(knobs), batch]
+        assert all(s.to_host for s in steady(steps)), "a step with no copy to the host"
+        for s in steps:
+            assert len(s.to_host) <= 1
+            assert all(n <= 2 * batch * BLOCK < vocab for n in s.to_host)

@@ -2,9 +2,11 @@
 strategies/nemotron.py): continuous batching over a slot KV cache (models/nemotron_cache.py).
 
 Each step forwards one piece of every running request in one batch (a prefill, a diffusion
-step, a block's causal commit, an AR token, a draft or a verify, mixed), hands each request its
-logits, and admits waiting requests into freed slots (at most `max_num_seqs` run). A request's
-tokens do not depend on the batch: its pieces see only its own cache slot.
+step, a block's causal commit, an AR token, a draft or a verify, mixed), decides every request's
+picks at once on the logits' device with one copy to the host (strategies/nemotron_decide.py),
+hands each request its share, and admits waiting requests into freed slots (at most
+`max_num_seqs` run). A request's tokens do not depend on the batch: its pieces see only its own
+cache slot.
 
 It reuses the engine's loaded model (the same weights, dtype and device) and is driven by
 the engine (`Engine.add_request` / `step` / `abort_request`), so `LLM`, the server and the
@@ -29,6 +31,7 @@ from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
 from cover_vllm.strategies.nemotron import LOOPS, Job, Loop
+from cover_vllm.strategies.nemotron_decide import decide
 
 CAUSAL_DECODINGS = tuple(LOOPS)
 
@@ -112,7 +115,7 @@ class NemotronRunner:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.scoring)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, forward one piece of every running request
         in one batch, and return the outputs of those that finished."""
@@ -137,10 +140,11 @@ class NemotronRunner:
         if not self.running:
             return scored
         logits = self.forward(self.cache, [r[2].next_piece() for r in self.running])
+        picks = decide(logits, [r[2] for r in self.running], self.engine.transfer)
         still, finished = [], []
-        for item, rows in zip(self.running, logits):
+        for item, pick in zip(self.running, picks):
             loop = item[2]
-            loop.absorb(rows, self.cache)
+            loop.absorb(pick.tokens, pick.confidence, self.cache)
             if self.prefix_caching and loop.causal_prefill and not loop.indexed \
                     and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
                 self.cache.index(loop.slot, causal_page_keys(loop.job.prompt,
