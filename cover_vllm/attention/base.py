@@ -118,6 +118,8 @@ class AttentionMetadata:
     _flat_ov_fresh: torch.Tensor | None = None
     _flat_fresh_key_slots: torch.Tensor | None = None
     _mask: tuple[torch.Tensor | None] | None = None
+    _padded_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    _window_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -147,6 +149,24 @@ class AttentionMetadata:
         if self._flat_ov_fresh is None:
             self._flat_ov_fresh = self.ov_fresh.reshape(-1)
         return self._flat_ov_fresh
+
+    def padded_rows(self, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices ([B, 1, Qmax] flat token, [1, H, 1] head) that gather q [T, H, d] straight
+        into SDPA's padded [B, H, Qmax, d] (`pad_queries`); made once per forward."""
+        if self._padded_rows is None or self._padded_rows[1].shape[1] != num_heads:
+            heads = torch.arange(num_heads, device=self.q_index.device).view(1, num_heads, 1)
+            self._padded_rows = (self.q_index.unsqueeze(1), heads)
+        return self._padded_rows
+
+    def window_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([Tm] sequence, [Tm] query slot) of every window token: the indices that gather
+        the real rows out of SDPA's padded [B, H, Qmax, d] output (`unpad_queries`); made
+        once per forward."""
+        if self._window_rows is None:
+            q_max = self.q_index.shape[1]
+            seq = torch.div(self.out_index, q_max, rounding_mode="floor")
+            self._window_rows = (seq, self.out_index.remainder(q_max))
+        return self._window_rows
 
     def visible(self, seqs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, Kmax] bool: the key columns that window row `rows[n]` (a flat token) of sequence
@@ -218,11 +238,12 @@ class AttentionMetadata:
 
 def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Window rows of the flat q [T, H, d] -> padded per sequence in SDPA's layout
-    [B, H, Qmax, d] (a view when every window is full length)."""
+    [B, H, Qmax, d]: a view when every window is full length, else one gather that lands in
+    that layout (`AttentionMetadata.padded_rows`; a row gather and a transpose were two ops)."""
     b, q_max = meta.q_index.shape
     if meta.dense_queries:
         return heads_first(q, b, q_max)           # q holds the window rows only (`attend`)
-    return q[meta.q_index].transpose(1, 2)
+    return q[meta.padded_rows(q.shape[1])]
 
 
 def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
@@ -237,10 +258,19 @@ def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
 
 
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[B, Qmax, H, d] -> the window rows on the flat axis, heads side by side [Tm, H * d]
-    (drops padding; one reshape)."""
-    flat = o.reshape(-1, o.shape[2] * o.shape[3])
-    return flat if meta.dense_queries else flat[meta.out_index]
+    """SDPA's output [B, H, Qmax, d] -> the window rows on the flat axis, heads side by side
+    [Tm, H * d]. Every window full length: one view where the kernel laid the output out as
+    [B, Qmax, H, d] (the CPU's and CUDA's fused kernels do), else a transpose and a reshape.
+    Otherwise one gather of the real rows (`AttentionMetadata.window_rows`), which lands them
+    as [Tm, H, d], and a view (a transpose, a reshape and a row gather before, issue #50)."""
+    b, heads, q_max, d = o.shape
+    if meta.dense_queries:
+        if o.stride() == (q_max * heads * d, d, heads * d, 1):
+            return o.as_strided((b * q_max, heads * d), (heads * d, 1), o.storage_offset())
+        return o.transpose(1, 2).reshape(b * q_max, heads * d)
+    seq, slot = meta.window_rows()
+    rows = o[seq, :, slot]                                              # [Tm, H, d]
+    return rows.view(rows.shape[0], heads * d)
 
 
 def gather_heads(pool: torch.Tensor, slots: torch.Tensor,
@@ -316,9 +346,10 @@ class AttentionBackend(ABC):
         if meta.keys_are_window and cache[0].dtype == q.dtype:     # what the gather would read
             keys, values = window_kv(kv, k, v, meta.key_slots.shape)
         else:
-            slots, flat = meta.key_slots, meta.flat_key_slots
             if meta.fresh_key_slots is not None and self.fresh_columns():
                 slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
+            else:
+                slots, flat = meta.key_slots, meta.flat_key_slots
             keys, values = gather_kv(cache, slots, flat)     # [B, Hkv, Kmax (+ Smax), d]
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)

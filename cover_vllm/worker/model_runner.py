@@ -16,6 +16,7 @@ from cover_vllm.attention import AttentionBackend, build_metadata
 from cover_vllm.attention.layout import move_to
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.layers.base import kv_halves
+from cover_vllm.layers.yarn import YarnRotaryEmbedding, positions_below
 from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
@@ -53,6 +54,8 @@ class ModelRunner:
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
         pad_slot = getattr(cache, "pad_slot", None)
+        # rotations told the step's largest position (layers/yarn.py `positions_below`)
+        self.bounded_ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
         # CUDA graphs of the forward (worker/cuda_graphs.py); None: always eager
         self.graphs = (None if capture is None or pad_slot is None else
                        GraphRunner(self._forward, capture, pad_slot, self.device))
@@ -98,7 +101,9 @@ class ModelRunner:
             if lay.edits:
                 edits = [(flat.to(device), edit) for flat, edit in lay.edits]
                 embeds = apply_embed_edits(self.model.embed, embeds, edits)
-            hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+            with positions_below(self.bounded_ropes, host_positions):
+                hidden = self.model.forward_tokens(embeds, positions,
+                                                   self._attention(meta, stats))
         scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores,
                                                                self.transfer.fetch)
         if not out.items:                          # a scoring-only forward
