@@ -112,6 +112,10 @@ class AttentionMetadata:
                                                  # slots of `ov_fresh` (pad -> 0, masked out)
     keys_are_window: bool = False  # every window is its whole canvas in order, no override or
                                    # extra row: the keys are the fresh K/V (no gather needed)
+    override_hidden: torch.Tensor | None = None  # [B, 1, Qmax, Kmax + Smax] bool: the columns
+                                                 # a row does not see in the `mask` override
+                                                 # mode (~`override_allowed`; None: built on
+                                                 # first use)
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
@@ -221,19 +225,29 @@ class AttentionMetadata:
         """Additive mask [B, 1, Qmax, Kmax + Smax] for attending over the keys followed by each
         sequence's overridden positions' fresh K/V (`ov_fresh`): every row sees its visible keys
         (the cached K/V at an override position) except that a predictor row sees, instead of
-        its seed's cached column, that seed's fresh column. Built once per forward."""
+        its seed's cached column, that seed's fresh column. Built once per forward, from
+        `override_hidden` (two ops where the host built it: `build_metadata`)."""
         if self._override_bias is None or self._override_bias.dtype != dtype:
-            (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
-            allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
-                                  device=self.key_valid.device)
-            visible = self.mask()
-            allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
-            sees_seed = allowed[self.ov_seq, self.ov_slot, self.ov_col]   # [S] (block rule)
-            allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
-            allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = sees_seed
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self._override_bias = bias.masked_fill(~allowed, float("-inf"))[:, None]
+            hidden = self.override_hidden
+            if hidden is None:
+                hidden = ~self.override_allowed()
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+            self._override_bias = bias.masked_fill_(hidden, float("-inf"))
         return self._override_bias
+
+    def override_allowed(self) -> torch.Tensor:
+        """[B, 1, Qmax, Kmax + Smax] bool: the columns each padded query row sees in the
+        `mask` override mode (`override_bias`); a layout-only function of the metadata, so
+        the host builds it with the rest (`build_metadata`: `override_hidden`)."""
+        (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
+        allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
+                              device=self.key_valid.device)
+        visible = self._build_mask()        # uncached: the host's must not reach the device
+        allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
+        sees_seed = allowed[self.ov_seq, self.ov_slot, self.ov_col]   # [S] (block rule)
+        allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
+        allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = sees_seed
+        return allowed[:, None]
 
 
 def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

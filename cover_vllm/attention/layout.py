@@ -70,6 +70,8 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
         all_keys_valid=row_limit is None and bool(key_valid.all()),
         row_limit=row_limit, store_slots=store_slots, fresh_key_slots=fresh_key_slots,
         keys_are_window=row_limit is None and _keys_are_window(seqs, lengths))
+    if meta.num_overrides:      # host-built: one view of the step's copy where the device
+        meta.override_hidden = ~meta.override_allowed()     # would take fifteen ops (#50)
     return move_to(device, meta)[0]
 
 

@@ -58,7 +58,9 @@ class Rows:
             out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
             out[self.mask] = values
             return out
-        mask = self.mask.reshape(*self.mask.shape, *([1] * (values.dim() - 1)))
+        mask = self.mask                        # [n, W]; a view more for values [N, ...]
+        if values.dim() > 1:
+            mask = mask.reshape(*mask.shape, *([1] * (values.dim() - 1)))
         return torch.where(mask, values.reshape(shape), torch.tensor(fill, dtype=values.dtype,
                                                                     device=values.device))
 
