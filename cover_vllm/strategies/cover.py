@@ -143,10 +143,16 @@ class _Seeds:
                    at(d.state["deferred"]), at(d.replace), at(d.remask))
 
 
+def and_not(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a & ~b` of bool tensors in one op instead of two: False < True, so a > b exactly
+    where a is True and b is False (issue #50: a step's device ops)."""
+    return a > b
+
+
 def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
     """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
     probability (ties: lower position first)."""
-    return topk_mask((-own).masked_fill(~mask, float("-inf")), k)
+    return topk_mask(torch.where(mask, own.neg(), float("-inf")), k)
 
 
 class Cover(Strategy):
@@ -264,7 +270,7 @@ class Cover(Strategy):
                         propose(batch, rows=rows)[0])
         probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
         cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
-        cand_conf = cand_conf.masked_fill(~candidates, float("-inf"))   # = threshold's float64
+        cand_conf = torch.where(candidates, cand_conf, float("-inf"))   # = threshold's float64
         draft = topk_mask(cand_conf, 1)
         draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen
         if p.max_draft is not None:
@@ -294,7 +300,7 @@ class Cover(Strategy):
         p = self.params
         agree = best == batch.tokens
         keep = seeds & agree & (own >= p.keep_min)
-        revise = seeds & ~keep
+        revise = and_not(seeds, keep)
         deferred = torch.zeros_like(revise)
         # Revise at most max_revise seeds per request and step, the least likely own tokens
         # first. Each seed's check assumed every other seed keeps its token, so two revisions in
@@ -302,19 +308,19 @@ class Cover(Strategy):
         # digit); the rest are kept for now and checked again (`deferred`).
         if p.max_revise is not None:
             first = _least_likely(revise, own, p.max_revise)
-            deferred, revise = revise & ~first, first
+            deferred, revise = and_not(revise, first), first
         # Replace when the check prefers another token by majority (changed in place: no
         # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =
         # 0.5 rather than τ_draft: on cover-tiny the remasks τ_draft left were 3 in 4 flip-flops
         # and replacing them instead cost no accuracy (docs/benchmarks.md).
         tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
-        replace = revise & ~agree & (conf >= tau_rep)
-        unsure = revise & ~replace
+        replace = and_not(revise, agree) & (conf >= tau_rep)
+        unsure = and_not(revise, replace)
         # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
         # least likely own tokens first, so a verification-only step (no [MASK] left) never
         # remasks. A seed it holds back keeps its token for now and is checked again.
         remask = _least_likely(unsure, own, (draft.sum(-1) - 1).clamp(min=0))
-        return keep, deferred | (unsure & ~remask), replace, remask
+        return keep, deferred | and_not(unsure, remask), replace, remask
 
     def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Advance every request's per-position memory (block positions) at once, on an

@@ -19,8 +19,8 @@ from cover_vllm.attention.correction import expand_kv_heads
 
 def key_drift(k_new: torch.Tensor, k_old: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """[Tw, Hkv, d] x 2 -> [Tw] mean relative change per position."""
-    old = k_old.float()                                 # widened once (one op fewer)
-    num = (k_new.float() - old).norm(dim=-1)
+    old = k_old.float()          # widened once; k_new widens exactly inside the subtraction
+    num = (k_new - old).norm(dim=-1)
     return (num / (old.norm(dim=-1) + eps)).mean(dim=-1)
 
 
