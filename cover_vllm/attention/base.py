@@ -373,7 +373,10 @@ class AttentionBackend(ABC):
                 q, k, v, keys[:, :, :k_max], values[:, :, :k_max], meta)])
         if not return_keys:
             return o
-        return o, keys[:, :, :meta.key_slots.shape[1]].transpose(1, 2)
+        b, heads, _, d = keys.shape                # [B, Kmax, Hkv, d]: one view, not two
+        return o, keys.as_strided((b, meta.key_slots.shape[1], heads, d),
+                                  (keys.stride(0), keys.stride(2), keys.stride(1),
+                                   keys.stride(3)), keys.storage_offset())
 
     @staticmethod
     def _write(pairs, meta: AttentionMetadata) -> None:

@@ -269,7 +269,7 @@ class Cover(Strategy):
         draft_tokens = (rows.put(greedy(picked), 0) if plain_greedy(batch) else
                         propose(batch, rows=rows)[0])
         probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
-        cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
+        cand_conf = rows.gather(probs, draft_tokens, 0.0)
         cand_conf = torch.where(candidates, cand_conf, float("-inf"))   # = threshold's float64
         draft = topk_mask(cand_conf, 1)
         draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen

@@ -65,6 +65,18 @@ class Rows:
                                                                     device=values.device))
 
 
+    def gather(self, table: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+        """`put(table.gather(-1, take(index)[:, None])[:, 0], fill)`: the entry of `table`
+        [N, V] (rows already taken) at each row's `index` [n, W], laid out as [n, W]. Off the
+        CPU two views fewer: the [n, W] index seen as [N, 1], the result as [n, W]."""
+        assert not self.nested, "Rows.gather reads [n, W] indices: not for nested rows"
+        if self.compact:
+            return self.put(table.gather(-1, self.take(index)[:, None])[:, 0], fill)
+        picked = table.gather(-1, index.reshape(-1, 1)).view(self.mask.shape)
+        return torch.where(self.mask, picked, torch.tensor(fill, dtype=picked.dtype,
+                                                           device=picked.device))
+
+
 def as_rows(rows: torch.Tensor | Rows | None) -> Rows | None:
     """A [n, W] bool mask as `Rows` (Rows and None pass through)."""
     return rows if rows is None or isinstance(rows, Rows) else Rows(rows)
@@ -187,8 +199,7 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
     rows = as_rows(rows)
     if picked is None:
         picked = rows.take(logits)                                          # [N, V]
-    probs = torch.softmax(picked.to(dtype), dim=-1)
-    return rows.put(probs.gather(-1, rows.take(tokens)[:, None]).squeeze(-1), 0.0)
+    return rows.gather(torch.softmax(picked.to(dtype), dim=-1), tokens, 0.0)
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
