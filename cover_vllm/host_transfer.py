@@ -69,12 +69,15 @@ def _pack_float64(live: list[torch.Tensor]):
     packed = torch.empty(sum(sizes.values()), dtype=torch.float64, device=live[0].device)
     regions, offset = {}, 0
     for key, members in groups.items():
-        region = packed if sizes[key] == packed.numel() else packed[offset:offset + sizes[key]]
         if key is None:
+            region = (packed if sizes[key] == packed.numel() else
+                      packed[offset:offset + sizes[key]])
             torch.cat([live[i].reshape(-1) if live[i].dim() != 1 else live[i]
                        for i in members], out=region)
-        else:
-            torch.cat([live[i] for i in members], dim=1, out=region.view(key, -1))
+        else:                           # [n, sum W]: one strided view (a slice and a view)
+            width = sizes[key] // key if key else 0
+            region = packed.as_strided((key, width), (width, 1), offset)
+            torch.cat([live[i] for i in members], dim=1, out=region)
         regions[key] = (offset, sizes[key])
         offset += sizes[key]
 

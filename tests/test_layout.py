@@ -82,6 +82,7 @@ def reference_metadata(seqs: list[SeqLayout],
         all_keys_valid=bool(key_valid.all()) and not bounded,
         row_limit=torch.cat(limits) if bounded else None, store_slots=store_slots,
         fresh_key_slots=fresh_key_slots,
+        fresh_key_slots_flat=None if fresh_key_slots is None else fresh_key_slots.reshape(-1),
         # every key column is the window token written to its slot, in order
         keys_are_window=(not overrides and ex_out.numel() == 0 and num_written == offset
                          == b * k_max and bool(key_valid.all()) and not bounded

@@ -112,6 +112,9 @@ class AttentionMetadata:
                                                  # slots of `ov_fresh` (pad -> 0, masked out)
     keys_are_window: bool = False  # every window is its whole canvas in order, no override or
                                    # extra row: the keys are the fresh K/V (no gather needed)
+    fresh_key_slots_flat: torch.Tensor | None = None  # [B * (Kmax + Smax)] `fresh_key_slots`
+                                                      # flattened by the host: a piece of the
+                                                      # step's one copy (no device op)
     override_hidden: torch.Tensor | None = None  # [B, 1, Qmax, Kmax + Smax] bool: the columns
                                                  # a row does not see in the `mask` override
                                                  # mode (~`override_allowed`; None: built on
@@ -142,9 +145,11 @@ class AttentionMetadata:
 
     @property
     def flat_fresh_key_slots(self) -> torch.Tensor:
-        """[B * (Kmax + Smax)] `fresh_key_slots` flattened, made once per forward."""
+        """[B * (Kmax + Smax)] `fresh_key_slots` flattened (by the host, or once per forward)."""
         if self._flat_fresh_key_slots is None:
-            self._flat_fresh_key_slots = self.fresh_key_slots.reshape(-1)
+            self._flat_fresh_key_slots = (self.fresh_key_slots.reshape(-1)
+                                          if self.fresh_key_slots_flat is None
+                                          else self.fresh_key_slots_flat)
         return self._flat_fresh_key_slots
 
     @property

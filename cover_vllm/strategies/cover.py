@@ -149,10 +149,12 @@ def and_not(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a > b
 
 
-def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+def _least_likely(mask: torch.Tensor, minus_own: torch.Tensor,
+                  k: torch.Tensor | int) -> torch.Tensor:
     """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
-    probability (ties: lower position first)."""
-    return topk_mask(torch.where(mask, own.neg(), float("-inf")), k)
+    probability (ties: lower position first); `minus_own` = -own, negated once per decision.
+    A k below 1 picks nothing (no rank is below it)."""
+    return topk_mask(torch.where(mask, minus_own, float("-inf")), k)
 
 
 class Cover(Strategy):
@@ -269,8 +271,8 @@ class Cover(Strategy):
         draft_tokens = (rows.put(greedy(picked), 0) if plain_greedy(batch) else
                         propose(batch, rows=rows)[0])
         probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
-        cand_conf = rows.gather(probs, draft_tokens, 0.0)
-        cand_conf = torch.where(candidates, cand_conf, float("-inf"))   # = threshold's float64
+        cand_conf = rows.gather(probs, draft_tokens, float("-inf"),   # = threshold's float64
+                                keep=candidates)
         draft = topk_mask(cand_conf, 1)
         draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen
         if p.max_draft is not None:
@@ -281,7 +283,7 @@ class Cover(Strategy):
         best = checks.put(greedy(loo), 0)                   # argmax, first on ties
         conf = checks.put(loo.amax(-1), 0.0)
         own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
-        own = checks.put(loo.gather(-1, own_token[:, None])[:, 0], 0.0)
+        own = checks.gather_taken(loo, own_token, 0.0)
         keep, deferred, replace, remask = self._judge(batch, seeds, draft, best, conf, own)
         state = {"keep": keep, "deferred": deferred, "draft_conf": cand_conf, "conf": conf,
                  "own": own}
@@ -301,14 +303,16 @@ class Cover(Strategy):
         agree = best == batch.tokens
         keep = seeds & agree & (own >= p.keep_min)
         revise = and_not(seeds, keep)
-        deferred = torch.zeros_like(revise)
+        minus_own = own.neg()
         # Revise at most max_revise seeds per request and step, the least likely own tokens
         # first. Each seed's check assumed every other seed keeps its token, so two revisions in
         # one step can contradict each other (two cells of a row both taking the missing
         # digit); the rest are kept for now and checked again (`deferred`).
         if p.max_revise is not None:
-            first = _least_likely(revise, own, p.max_revise)
+            first = _least_likely(revise, minus_own, p.max_revise)
             deferred, revise = and_not(revise, first), first
+        else:
+            deferred = torch.zeros_like(revise)
         # Replace when the check prefers another token by majority (changed in place: no
         # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =
         # 0.5 rather than τ_draft: on cover-tiny the remasks τ_draft left were 3 in 4 flip-flops
@@ -319,7 +323,7 @@ class Cover(Strategy):
         # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
         # least likely own tokens first, so a verification-only step (no [MASK] left) never
         # remasks. A seed it holds back keeps its token for now and is checked again.
-        remask = _least_likely(unsure, own, (draft.sum(-1) - 1).clamp(min=0))
+        remask = _least_likely(unsure, minus_own, draft.sum(-1) - 1)
         return keep, deferred | and_not(unsure, remask), replace, remask
 
     def absorb(self, batch: StepBatch, decision: Decision) -> None:

@@ -65,16 +65,31 @@ class Rows:
                                                                     device=values.device))
 
 
-    def gather(self, table: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+    def gather(self, table: torch.Tensor, index: torch.Tensor, fill,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
         """`put(table.gather(-1, take(index)[:, None])[:, 0], fill)`: the entry of `table`
-        [N, V] (rows already taken) at each row's `index` [n, W], laid out as [n, W]. Off the
-        CPU two views fewer: the [n, W] index seen as [N, 1], the result as [n, W]."""
-        assert not self.nested, "Rows.gather reads [n, W] indices: not for nested rows"
+        [N, V] (rows already taken) at each row's `index` [n, W], laid out as [n, W]; with
+        `keep` ([n, W] bool within the mask) `fill` outside `keep` too. Off the CPU two views
+        (and with `keep` a `where`) fewer: the index seen as [N, 1], the result as [n, W]."""
+        assert not self.nested, "Rows.gather reads [n, W] indices: gather_taken for nested rows"
         if self.compact:
-            return self.put(table.gather(-1, self.take(index)[:, None])[:, 0], fill)
-        picked = table.gather(-1, index.reshape(-1, 1)).view(self.mask.shape)
-        return torch.where(self.mask, picked, torch.tensor(fill, dtype=picked.dtype,
-                                                           device=picked.device))
+            out = self.gather_taken(table, self.take(index), fill)
+            return out if keep is None else torch.where(keep, out, fill)
+        return self._laid_out(table.gather(-1, index.reshape(-1, 1)), fill, keep)
+
+    def gather_taken(self, table: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+        """`gather` with `index` [N] already taken (for nested rows: through `within` and this
+        one), one view fewer than `put` of a gathered column off the CPU."""
+        if self.compact:
+            return self.put(table.gather(-1, index[:, None])[:, 0], fill)
+        return self._laid_out(table.gather(-1, index.view(-1, 1)), fill)
+
+    def _laid_out(self, picked: torch.Tensor, fill,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, 1] values of every row (off the CPU) as [n, W], `fill` outside the mask (or
+        outside `keep`)."""
+        return torch.where(self.mask if keep is None else keep, picked.view(self.mask.shape),
+                           torch.tensor(fill, dtype=picked.dtype, device=picked.device))
 
 
 def as_rows(rows: torch.Tensor | Rows | None) -> Rows | None:
