@@ -5,9 +5,12 @@ per layer, as LLaDA-8B's does (tests/test_op_count.py), with the default officia
 batch 64, from 32.1-34.1 with this norm; issue #50)."""
 
 import pytest
+import torch
 
 from cover_vllm import LLM, SamplingParams
 from cover_vllm.benchmarks.op_count import count_steps, summary
+from cover_vllm.layers.yarn import (ScaledQRotation, YarnParams, YarnRotaryEmbedding,
+                                    positions_below)
 
 FLOOR_BAR = 32
 
@@ -26,3 +29,23 @@ def test_device_ops_per_layer(meta_8b, decoding, batch):
     print(f"nemotron-diffusion-8b {decoding} batch {batch}: "
           f"{s['device_per_layer']:.1f} device ops/layer")
     assert s["device_per_layer"] <= FLOOR_BAR
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_q_scale_skipped_below_original_max_changes_no_bit(dtype):
+    """`positions_below` (layers/yarn.py): below original_max_position_embeddings the Llama-4
+    scale is exactly 1, so the rotation without it gives the same bits; at or above it the
+    scale is applied as before (issue #50)."""
+    params = YarnParams(theta=1e6, factor=16.0, original_max=64, llama4_beta=0.1)
+    rope = YarnRotaryEmbedding(16, params, q_fraction=4 / 6)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, 16, generator=gen).to(dtype)
+    for positions, skipped in [(torch.arange(24, 64), True), (torch.arange(30, 70), False)]:
+        want = rope.at(positions).rotate_(x.clone())                   # no bound: the scale
+        with positions_below([rope], positions):
+            rot = rope.at(positions)
+            got = rot.rotate_(x.clone())
+        assert (type(rot) is not ScaledQRotation) == skipped
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert rope.position_bound is None                  # reset after the forward
