@@ -279,7 +279,8 @@ def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """SDPA's output [B, H, Qmax, d] -> the window rows on the flat axis, heads side by side
     [Tm, H * d]. Every window full length: one view where the kernel laid the output out as
-    [B, Qmax, H, d] (the CPU's and CUDA's fused kernels do), else a transpose and a reshape.
+    [B, Qmax, H, d] (torch's CPU flash kernel does, for this q), else a transpose and a reshape
+    (the meta device's output is [B, H, Qmax, d]: a copy).
     Otherwise one gather of the real rows (`AttentionMetadata.window_rows`), which lands them
     as [Tm, H, d], and a view (a transpose, a reshape and a row gather before, issue #50)."""
     b, heads, q_max, d = o.shape

@@ -121,12 +121,11 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         scale = llama4_q_scale(positions, p.llama4_beta, p.original_max)
         return ScaledQRotation(rot, scale[:, None, None], self.q_fraction)
 
-
     def _q_scale_is_one(self) -> bool:
         """Whether the host knows every position of this forward is below
         original_max_position_embeddings (`positions_below`): the Llama-4 scale is then exactly
         1 (log1p(0) = 0 times a finite beta, plus 1), and multiplying by 1 leaves every bit, so
-        the forward skips it (one op per layer and four per forward; issue #50)."""
+        the forward skips it (one op per layer and nine per forward; issue #50)."""
         bound, beta = self.position_bound, self.params.llama4_beta
         return bound is not None and bound <= self.params.original_max and math.isfinite(beta)
 

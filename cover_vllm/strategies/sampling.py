@@ -58,12 +58,11 @@ class Rows:
             out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
             out[self.mask] = values
             return out
-        mask = self.mask                        # [n, W]; a view more for values [N, ...]
-        if values.dim() > 1:
-            mask = mask.reshape(*mask.shape, *([1] * (values.dim() - 1)))
+        if values.dim() == 1:                   # no view of the mask
+            return self._laid_out(values, fill)
+        mask = self.mask.reshape(*self.mask.shape, *([1] * (values.dim() - 1)))
         return torch.where(mask, values.reshape(shape), torch.tensor(fill, dtype=values.dtype,
                                                                     device=values.device))
-
 
     def gather(self, table: torch.Tensor, index: torch.Tensor, fill,
                keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,8 +85,8 @@ class Rows:
 
     def _laid_out(self, picked: torch.Tensor, fill,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, 1] values of every row (off the CPU) as [n, W], `fill` outside the mask (or
-        outside `keep`)."""
+        """[N] or [N, 1] values of every row (off the CPU) as [n, W], `fill` outside the mask
+        (or outside `keep`)."""
         return torch.where(self.mask if keep is None else keep, picked.view(self.mask.shape),
                            torch.tensor(fill, dtype=picked.dtype, device=picked.device))
 
