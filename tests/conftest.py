@@ -1,5 +1,7 @@
 """Shared fixtures: the golden LLaDA checkpoint behind a small engine."""
 
+import ctypes
+import gc
 import sys
 from pathlib import Path
 
@@ -101,3 +103,36 @@ def pytest_sessionfinish(session):
     peak = max(_SUITE_PEAK[0], peak_rss_bytes())
     with open(_rss_log_path(), "a") as f:
         f.write(f"{peak >> 20}\t{rss_bytes() >> 20}\tSESSION PEAK (MiB)\n")
+
+
+GROWTH_TO_COLLECT = 128 << 20    # a test that leaves this much more RSS gets a collection
+
+
+def _free_memory() -> None:
+    """Collect reference cycles (a test's own, e.g. a spy wrapping a worker that points back
+    at it) and hand the heap's free pages back to the OS: glibc keeps freed blocks in its
+    arenas, so without the trim the suite's RSS only ever grows."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):    # not glibc: nothing to trim
+        pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_memory_after_module():
+    """After each module's own fixtures (its engines and servers) are torn down."""
+    yield
+    _free_memory()
+
+
+@pytest.fixture(autouse=True)
+def _free_memory_after_growth(_log_test_rss):
+    """Per test, only when its RSS grew (a collection costs tens of ms on this heap); the RSS
+    log then records what is left after it."""
+    from cover_vllm.worker.memory import rss_bytes
+
+    before = rss_bytes()
+    yield
+    if rss_bytes() - before > GROWTH_TO_COLLECT:
+        _free_memory()

@@ -102,7 +102,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         self.params, self.q_fraction = params, q_fraction
         super().__init__(head_dim, params.theta)
 
-    def _inv_freq(self, device) -> torch.Tensor:
+    def _frequencies(self, device) -> torch.Tensor:
         inv_freq = yarn_inv_freq(self.params, self.rotary_dim)
         return inv_freq if device is None else inv_freq.to(device)
 
