@@ -18,6 +18,7 @@ rank runs its shard of it over the same pages (executor/tp_executor.py, #50).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -215,7 +216,9 @@ class CausalSide:
     builds the runner on first use, so other models never pay for it."""
 
     def __init__(self, engine, model_path):
-        self.engine, self.model_path = engine, model_path
+        # a proxy: the engine owns this side, and a strong reference back would be a cycle that
+        # keeps the engine (weights, KV pool) alive after `del llm` until a full collection
+        self.engine, self.model_path = weakref.proxy(engine), model_path
         self.runner: NemotronRunner | None = None
 
     def take(self, request_id: str, prompt, params) -> bool:

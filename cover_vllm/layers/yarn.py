@@ -104,7 +104,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_dim, params.theta)
         self.position_bound: int | None = None     # `positions_below`; None: unknown
 
-    def _inv_freq(self, device) -> torch.Tensor:
+    def _frequencies(self, device) -> torch.Tensor:
         inv_freq = yarn_inv_freq(self.params, self.rotary_dim)
         return inv_freq if device is None else inv_freq.to(device)
 
