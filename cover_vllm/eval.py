@@ -69,6 +69,7 @@ class EvalSpec:
     dtype: str = "auto"                # EngineConfig.dtype
     quantization: str | None = None    # EngineConfig.quantization
     batch_invariant: bool = False      # EngineConfig.batch_invariant
+    device: str = "cpu"                # EngineConfig.device
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def run_eval(spec: EvalSpec, on_row=None) -> list[EvalRow]:
     choices = cache_choices(spec)
     llm = LLM(spec.model, decoding=spec.decodings[0], kv_cache=choices[0].kv_cache,
               num_threads=spec.threads, dtype=spec.dtype, quantization=spec.quantization,
-              batch_invariant=spec.batch_invariant)
+              batch_invariant=spec.batch_invariant, device=spec.device)
     if llm.tokenizer is None:
         raise ValueError(f"model {spec.model!r} has no tokenizer; eval needs text prompts")
     rows = []

@@ -69,12 +69,15 @@ def _pack_float64(live: list[torch.Tensor]):
     packed = torch.empty(sum(sizes.values()), dtype=torch.float64, device=live[0].device)
     regions, offset = {}, 0
     for key, members in groups.items():
-        region = packed if sizes[key] == packed.numel() else packed[offset:offset + sizes[key]]
         if key is None:
+            region = (packed if sizes[key] == packed.numel() else
+                      packed[offset:offset + sizes[key]])
             torch.cat([live[i].reshape(-1) if live[i].dim() != 1 else live[i]
                        for i in members], out=region)
-        else:
-            torch.cat([live[i] for i in members], dim=1, out=region.view(key, -1))
+        else:                           # [n, sum W]: one strided view (a slice and a view)
+            width = sizes[key] // key if key else 0
+            region = packed.as_strided((key, width), (width, 1), offset)
+            torch.cat([live[i] for i in members], dim=1, out=region)
         regions[key] = (offset, sizes[key])
         offset += sizes[key]
 
@@ -125,9 +128,15 @@ def to_device(tensors: list[torch.Tensor | None],
 
 def one_buffer(tensors: list[torch.Tensor | None],
                device: torch.device) -> list[torch.Tensor | None]:
-    """`to_device`'s packing, on any device (the CPU included: tests/test_host_transfer.py)."""
+    """`to_device`'s packing, on any device (the CPU included: tests/test_host_transfer.py).
+
+    The host lays the 1-D int64 tensors first, then the others, then the bools' bytes. On the
+    device one split gives every 1-D int64 piece, and every other tensor is one `as_strided`
+    of the buffer (of its bytes for a bool), except that three or more of one shape and kind
+    are one [k, *shape] view and its `unbind`: two ops for a decision's [n, W] masks (#50)."""
     live = [t for t in tensors if t is not None]
-    longs = [t for t in live if t.dtype == torch.long]
+    flat_longs = [t for t in live if t.dtype == torch.long and t.dim() == 1]
+    longs = flat_longs + [t for t in live if t.dtype == torch.long and t.dim() != 1]
     bools = [t for t in live if t.dtype == torch.bool]
     assert len(longs) + len(bools) == len(live), "to_device moves int64 and bool tensors"
     parts = [t.reshape(-1) for t in longs]
@@ -138,12 +147,43 @@ def one_buffer(tensors: list[torch.Tensor | None],
     flat = torch.cat(parts)
     if device.type == "cuda":
         flat = flat.pin_memory()
-    sizes = [t.numel() for t in longs]
-    moved = flat.to(device, non_blocking=device.type == "cuda").split(
-        sizes + ([flat.numel() - sum(sizes)] if bools else []))
-    pieces = list(moved[:len(longs)])
+    moved = flat.to(device, non_blocking=device.type == "cuda")
+    by_id = {}
+    sizes = [t.numel() for t in flat_longs]
+    if flat_longs:
+        rest = moved.numel() - sum(sizes)
+        pieces = moved.split(sizes + [rest]) if rest or len(sizes) > 1 else (moved,)
+        by_id.update({id(t): p for t, p in zip(flat_longs, pieces)})
+    by_id.update(_strided(moved, longs[len(flat_longs):], sum(sizes)))
     if bools:
-        pieces += moved[-1].view(torch.bool)[:num_bools].split([t.numel() for t in bools])
-    by_id = {id(t): p for t, p in zip(longs + bools, pieces)}
-    return [None if t is None else by_id[id(t)] if t.dim() == 1 else by_id[id(t)].view(t.shape)
-            for t in tensors]
+        by_id.update(_strided(moved.view(torch.bool), bools, 8 * sum(t.numel() for t in longs)))
+    return [None if t is None else by_id[id(t)] for t in tensors]
+
+
+def _strided(buffer: torch.Tensor, tensors: list[torch.Tensor], offset: int) -> dict:
+    """{id(t): t's values as a view of the 1-D `buffer`}, the tensors laid end to end from
+    `offset` elements: one `as_strided` each, or for three or more tensors of one shape in a
+    row one [k, *shape] view and its `unbind`."""
+    out, i = {}, 0
+    while i < len(tensors):
+        shape = tensors[i].shape
+        run = 1
+        while i + run < len(tensors) and tensors[i + run].shape == shape:
+            run += 1
+        if run < 3:
+            run = 1
+        whole = (run, *shape) if run > 1 else tuple(shape)
+        view = buffer.as_strided(whole, _contiguous_strides(whole), offset)
+        for t, piece in zip(tensors[i:i + run], view.unbind(0) if run > 1 else (view,)):
+            out[id(t)] = piece
+        offset += run * tensors[i].numel()
+        i += run
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

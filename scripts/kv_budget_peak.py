@@ -7,6 +7,9 @@ process (a peak is a process's all-time high), one at a time on a shared host:
     PYTHONPATH=$PWD python scripts/kv_budget_peak.py --model llada-8b --dtype bfloat16 \
         --kv-cache-memory-bytes 268435456 [--quantization int8|int4] [--tracemalloc]
 
+`--decoding` takes a comma-separated list: one request of each, in order, in the same process
+(e.g. `--model nemotron-diffusion-8b --decoding nemotron,ar,linear_spec`, issue #50).
+
 tests/test_kv_budget.py runs it on a small shape (and, marked slow, on LLaDA-8B).
 """
 
@@ -28,7 +31,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
-    parser.add_argument("--decoding", default="cover")
+    parser.add_argument("--decoding", default="cover",
+                        help="one decoding, or several comma-separated (a request of each)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also report Python-side allocations' peak (slow)")
@@ -36,18 +40,22 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.tracemalloc:
         tracemalloc.start()
+    decodings = args.decoding.split(",")
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, quantization=args.quantization,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, decoding=args.decoding,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, decoding=decodings[0],
               num_threads=1)
     loaded = peak_rss_bytes()
     loaded_rss = rss_bytes()
-    out = llm.generate([{"prompt_token_ids": list(range(5, 21))}],
-                       SamplingParams(max_tokens=args.max_tokens, block_length=args.max_tokens,
-                                      ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == args.max_tokens
+    for decoding in decodings:
+        out = llm.generate([{"prompt_token_ids": list(range(5, 21))}],
+                           SamplingParams(max_tokens=args.max_tokens, decoding=decoding,
+                                          block_length=args.max_tokens, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == args.max_tokens
     plan = llm.engine.memory
     peak = peak_rss_bytes()
     result = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+              "decoding": args.decoding,
               "budget": plan.budget_bytes, "weights": plan.weight_bytes,
               "kv_bytes": plan.kv_bytes, "pages": plan.num_pages,
               "scratch_slots": plan.scratch_slots, "scratch_bytes": plan.scratch_bytes,

@@ -20,7 +20,8 @@ COMMANDS = [
     ["bench", "throughput", "--model", "cover-tiny", "--device", "cuda", "--count-ops",
      "--batch-size", "1", "--num-prompts", "1", "--reference-prompts", "0"],
     ["bench", "latency", "--model", "cover-tiny", "--device", "cuda"],
-]   # `eval` has no --device: it runs where LLM's default device is (cpu)
+    ["eval", "--model", "cover-tiny", "--task", "arith", "--num", "1", "--device", "cuda"],
+]
 
 
 @pytest.mark.skipif(not CPU_BUILD, reason="needs a torch build without CUDA")

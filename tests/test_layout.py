@@ -72,7 +72,7 @@ def reference_metadata(seqs: list[SeqLayout],
         for i, cols in enumerate(fresh_cols):
             for e, j in enumerate(cols):
                 fresh_key_slots[i, k_max + e] = scratch[0] + j
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         write_index=torch.cat(write_index), write_slots=torch.cat(write_slots),
         q_index=q_index, out_index=torch.cat(out_index), key_slots=key_slots,
         key_valid=key_valid, ov_src=ov_src, ov_row=ov_row, ov_seq=ov_seq, ov_col=ov_col,
@@ -82,10 +82,31 @@ def reference_metadata(seqs: list[SeqLayout],
         all_keys_valid=bool(key_valid.all()) and not bounded,
         row_limit=torch.cat(limits) if bounded else None, store_slots=store_slots,
         fresh_key_slots=fresh_key_slots,
+        fresh_key_slots_flat=None if fresh_key_slots is None else fresh_key_slots.reshape(-1),
         # every key column is the window token written to its slot, in order
         keys_are_window=(not overrides and ex_out.numel() == 0 and num_written == offset
                          == b * k_max and bool(key_valid.all()) and not bounded
                          and torch.equal(torch.cat(write_slots), key_slots.reshape(-1))))
+    if overrides:
+        meta.override_hidden = _override_hidden_loop(meta)
+    return meta
+
+
+def _override_hidden_loop(meta: AttentionMetadata) -> torch.Tensor:
+    """The columns each padded row does not see in the `mask` override mode, override by
+    override: the visible keys, then each predictor row trades its seed's column for the seed's
+    fresh one (as visible as the seed's column was)."""
+    (b, q_max), k_max = meta.q_index.shape, meta.key_valid.shape[1]
+    visible = meta.mask()
+    allowed = torch.zeros(b, q_max, k_max + meta.ov_fresh.shape[1], dtype=torch.bool)
+    allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
+    for seq, slot, col, extra in zip(meta.ov_seq.tolist(), meta.ov_slot.tolist(),
+                                     meta.ov_col.tolist(), meta.ov_extra.tolist()):
+        sees = bool(allowed[seq, slot, col])
+        allowed[seq, slot, col] = False
+        allowed[seq, slot, k_max + extra] = sees
+    meta._mask = None
+    return ~allowed[:, None]
 
 
 def _reference_extra(seqs, key_valid, offset):

@@ -112,12 +112,21 @@ class AttentionMetadata:
                                                  # slots of `ov_fresh` (pad -> 0, masked out)
     keys_are_window: bool = False  # every window is its whole canvas in order, no override or
                                    # extra row: the keys are the fresh K/V (no gather needed)
+    fresh_key_slots_flat: torch.Tensor | None = None  # [B * (Kmax + Smax)] `fresh_key_slots`
+                                                      # flattened by the host: a piece of the
+                                                      # step's one copy (no device op)
+    override_hidden: torch.Tensor | None = None  # [B, 1, Qmax, Kmax + Smax] bool: the columns
+                                                 # a row does not see in the `mask` override
+                                                 # mode (~`override_allowed`; None: built on
+                                                 # first use)
     _key_bias: torch.Tensor | None = None
     _override_bias: torch.Tensor | None = None
     _flat_key_slots: torch.Tensor | None = None
     _flat_ov_fresh: torch.Tensor | None = None
     _flat_fresh_key_slots: torch.Tensor | None = None
     _mask: tuple[torch.Tensor | None] | None = None
+    _padded_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    _window_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_window_tokens(self) -> int:
@@ -136,9 +145,11 @@ class AttentionMetadata:
 
     @property
     def flat_fresh_key_slots(self) -> torch.Tensor:
-        """[B * (Kmax + Smax)] `fresh_key_slots` flattened, made once per forward."""
+        """[B * (Kmax + Smax)] `fresh_key_slots` flattened (by the host, or once per forward)."""
         if self._flat_fresh_key_slots is None:
-            self._flat_fresh_key_slots = self.fresh_key_slots.reshape(-1)
+            self._flat_fresh_key_slots = (self.fresh_key_slots.reshape(-1)
+                                          if self.fresh_key_slots_flat is None
+                                          else self.fresh_key_slots_flat)
         return self._flat_fresh_key_slots
 
     @property
@@ -147,6 +158,24 @@ class AttentionMetadata:
         if self._flat_ov_fresh is None:
             self._flat_ov_fresh = self.ov_fresh.reshape(-1)
         return self._flat_ov_fresh
+
+    def padded_rows(self, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices ([B, 1, Qmax] flat token, [1, H, 1] head) that gather q [T, H, d] straight
+        into SDPA's padded [B, H, Qmax, d] (`pad_queries`); made once per forward."""
+        if self._padded_rows is None or self._padded_rows[1].shape[1] != num_heads:
+            heads = torch.arange(num_heads, device=self.q_index.device).view(1, num_heads, 1)
+            self._padded_rows = (self.q_index.unsqueeze(1), heads)
+        return self._padded_rows
+
+    def window_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([Tm] sequence, [Tm] query slot) of every window token: the indices that gather
+        the real rows out of SDPA's padded [B, H, Qmax, d] output (`unpad_queries`); made
+        once per forward."""
+        if self._window_rows is None:
+            q_max = self.q_index.shape[1]
+            seq = torch.div(self.out_index, q_max, rounding_mode="floor")
+            self._window_rows = (seq, self.out_index.remainder(q_max))
+        return self._window_rows
 
     def visible(self, seqs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, Kmax] bool: the key columns that window row `rows[n]` (a flat token) of sequence
@@ -201,28 +230,39 @@ class AttentionMetadata:
         """Additive mask [B, 1, Qmax, Kmax + Smax] for attending over the keys followed by each
         sequence's overridden positions' fresh K/V (`ov_fresh`): every row sees its visible keys
         (the cached K/V at an override position) except that a predictor row sees, instead of
-        its seed's cached column, that seed's fresh column. Built once per forward."""
+        its seed's cached column, that seed's fresh column. Built once per forward, from
+        `override_hidden` (two ops where the host built it: `build_metadata`)."""
         if self._override_bias is None or self._override_bias.dtype != dtype:
-            (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
-            allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
-                                  device=self.key_valid.device)
-            visible = self.mask()
-            allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
-            sees_seed = allowed[self.ov_seq, self.ov_slot, self.ov_col]   # [S] (block rule)
-            allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
-            allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = sees_seed
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self._override_bias = bias.masked_fill(~allowed, float("-inf"))[:, None]
+            hidden = self.override_hidden
+            if hidden is None:
+                hidden = ~self.override_allowed()
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+            self._override_bias = bias.masked_fill_(hidden, float("-inf"))
         return self._override_bias
+
+    def override_allowed(self) -> torch.Tensor:
+        """[B, 1, Qmax, Kmax + Smax] bool: the columns each padded query row sees in the
+        `mask` override mode (`override_bias`); a layout-only function of the metadata, so
+        the host builds it with the rest (`build_metadata`: `override_hidden`)."""
+        (b, q_max), k_max = self.q_index.shape, self.key_valid.shape[1]
+        allowed = torch.zeros(b, q_max, k_max + self.ov_fresh.shape[1], dtype=torch.bool,
+                              device=self.key_valid.device)
+        visible = self._build_mask()        # uncached: the host's must not reach the device
+        allowed[:, :, :k_max] = True if visible is None else visible[:, 0]
+        sees_seed = allowed[self.ov_seq, self.ov_slot, self.ov_col]   # [S] (block rule)
+        allowed[self.ov_seq, self.ov_slot, self.ov_col] = False
+        allowed[self.ov_seq, self.ov_slot, k_max + self.ov_extra] = sees_seed
+        return allowed[:, None]
 
 
 def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Window rows of the flat q [T, H, d] -> padded per sequence in SDPA's layout
-    [B, H, Qmax, d] (a view when every window is full length)."""
+    [B, H, Qmax, d]: a view when every window is full length, else one gather that lands in
+    that layout (`AttentionMetadata.padded_rows`; a row gather and a transpose were two ops)."""
     b, q_max = meta.q_index.shape
     if meta.dense_queries:
         return heads_first(q, b, q_max)           # q holds the window rows only (`attend`)
-    return q[meta.q_index].transpose(1, 2)
+    return q[meta.padded_rows(q.shape[1])]
 
 
 def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
@@ -237,10 +277,20 @@ def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
 
 
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[B, Qmax, H, d] -> the window rows on the flat axis, heads side by side [Tm, H * d]
-    (drops padding; one reshape)."""
-    flat = o.reshape(-1, o.shape[2] * o.shape[3])
-    return flat if meta.dense_queries else flat[meta.out_index]
+    """SDPA's output [B, H, Qmax, d] -> the window rows on the flat axis, heads side by side
+    [Tm, H * d]. Every window full length: one view where the kernel laid the output out as
+    [B, Qmax, H, d] (torch's CPU flash kernel does, for this q), else a transpose and a reshape
+    (the meta device's output is [B, H, Qmax, d]: a copy).
+    Otherwise one gather of the real rows (`AttentionMetadata.window_rows`), which lands them
+    as [Tm, H, d], and a view (a transpose, a reshape and a row gather before, issue #50)."""
+    b, heads, q_max, d = o.shape
+    if meta.dense_queries:
+        if o.stride() == (q_max * heads * d, d, heads * d, 1):
+            return o.as_strided((b * q_max, heads * d), (heads * d, 1), o.storage_offset())
+        return o.transpose(1, 2).reshape(b * q_max, heads * d)
+    seq, slot = meta.window_rows()
+    rows = o[seq, :, slot]                                              # [Tm, H, d]
+    return rows.view(rows.shape[0], heads * d)
 
 
 def gather_heads(pool: torch.Tensor, slots: torch.Tensor,
@@ -316,9 +366,10 @@ class AttentionBackend(ABC):
         if meta.keys_are_window and cache[0].dtype == q.dtype:     # what the gather would read
             keys, values = window_kv(kv, k, v, meta.key_slots.shape)
         else:
-            slots, flat = meta.key_slots, meta.flat_key_slots
             if meta.fresh_key_slots is not None and self.fresh_columns():
                 slots, flat = meta.fresh_key_slots, meta.flat_fresh_key_slots
+            else:
+                slots, flat = meta.key_slots, meta.flat_key_slots
             keys, values = gather_kv(cache, slots, flat)     # [B, Hkv, Kmax (+ Smax), d]
         if meta.num_extra == 0:
             o = self.attend(q, k, v, keys, values, meta)
@@ -328,7 +379,10 @@ class AttentionBackend(ABC):
                 q, k, v, keys[:, :, :k_max], values[:, :, :k_max], meta)])
         if not return_keys:
             return o
-        return o, keys[:, :, :meta.key_slots.shape[1]].transpose(1, 2)
+        b, heads, _, d = keys.shape                # [B, Kmax, Hkv, d]: one view, not two
+        return o, keys.as_strided((b, meta.key_slots.shape[1], heads, d),
+                                  (keys.stride(0), keys.stride(2), keys.stride(1),
+                                   keys.stride(3)), keys.storage_offset())
 
     @staticmethod
     def _write(pairs, meta: AttentionMetadata) -> None:

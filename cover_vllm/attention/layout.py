@@ -69,7 +69,10 @@ def build_metadata(seqs: list[SeqLayout], device: torch.device | str = "cpu",
         write_all=int(write_index.numel()) == total, dense_queries=total == b * q_max,
         all_keys_valid=row_limit is None and bool(key_valid.all()),
         row_limit=row_limit, store_slots=store_slots, fresh_key_slots=fresh_key_slots,
+        fresh_key_slots_flat=None if fresh_key_slots is None else fresh_key_slots.reshape(-1),
         keys_are_window=row_limit is None and _keys_are_window(seqs, lengths))
+    if meta.num_overrides:      # host-built: one view of the step's copy where the device
+        meta.override_hidden = ~meta.override_allowed()     # would take fifteen ops (#50)
     return move_to(device, meta)[0]
 
 

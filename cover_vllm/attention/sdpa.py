@@ -69,7 +69,7 @@ class SDPABackend(AttentionBackend):
                 vp = torch.cat((values, v.index_select(0, fresh).view(shape).transpose(1, 2)), 2)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.override_bias(q.dtype),
                                                enable_gqa=gqa)
-            return unpad_queries(o.transpose(1, 2), meta)
+            return unpad_queries(o, meta)
         kp, vp = keys, values                                  # [B, Hkv, Kmax, d]
         lse = None
         if q.device.type == "cpu" and meta.num_overrides:
@@ -79,7 +79,7 @@ class SDPABackend(AttentionBackend):
             lse = lse[meta.ov_seq, :, meta.ov_slot]                        # [S, H]
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask(), enable_gqa=gqa)
-        o = unpad_queries(o.transpose(1, 2), meta)
+        o = unpad_queries(o, meta)
         if meta.num_overrides == 0:
             return o
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)      # [B, Kmax, Hkv, d]

@@ -6,7 +6,8 @@ values, so what an engine step dispatches splits cleanly:
 * a **device op** is an aten op with an output on the model's device: on a GPU, a kernel launch
   (or, for a view, a Python dispatch with no kernel) that the host pays for every step;
 * a **host op** is an aten op whose outputs are all on the CPU (or that returns no tensor, such
-  as `.item()`): work the host does before or after the forward while the GPU waits.
+  as `.item()`): work the host does before or after the forward while the GPU waits. One that
+  reads a device tensor is a copy to the host: `StepOps.to_host` records its size (elements).
 
 `OpCounter` is a TorchDispatchMode that sorts every op of a block into those two, by aten name;
 `count_steps` runs a batch of requests through a meta engine and counts each step;
@@ -38,6 +39,7 @@ class StepOps:
     host: Counter = field(default_factory=Counter)     # op name -> host ops
     views: int = 0
     num_layers: int = 1
+    to_host: list = field(default_factory=list)        # elements of each device -> host copy
 
     @property
     def num_device(self) -> int:
@@ -81,6 +83,8 @@ class OpCounter(TorchDispatchMode):
                 counts.views += 1
         else:
             counts.host[name] += 1
+            if any(t.device.type != "cpu" for t in _tensors((args, kwargs))):
+                counts.to_host.append(sum(t.numel() for t in _tensors(out)))
         return out
 
 

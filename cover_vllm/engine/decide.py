@@ -216,11 +216,11 @@ def _decide(out: SchedulerOutput, requests: dict[str, Request], result, idx: lis
                             for row, (r, it) in enumerate(zip(reqs, items)) if r.grammar])
     d = strategy.decide(batch)
     restore(saved)
-    written = d.commit if d.replace is None else d.commit | d.replace
+    asked = [row for row, r in enumerate(reqs)
+             if r.params.logprobs is not None and r.grammar is None]
+    written = None if not asked else d.commit if d.replace is None else d.commit | d.replace
     logprobs = {row: logprob_rows(raw.get(row, batch.logits[row]), written[row],
-                                  d.tokens[row], r.params.logprobs)
-                for row, r in enumerate(reqs)
-                if r.params.logprobs is not None and r.grammar is None}
+                                  d.tokens[row], reqs[row].params.logprobs) for row in asked}
     return _Group(strategy, reqs, items, batch, d, logprobs, raw)
 
 

@@ -2,19 +2,23 @@
 strategies/nemotron.py): continuous batching over a slot KV cache (models/nemotron_cache.py).
 
 Each step forwards one piece of every running request in one batch (a prefill, a diffusion
-step, a block's causal commit, an AR token, a draft or a verify, mixed), hands each request its
-logits, and admits waiting requests into freed slots (at most `max_num_seqs` run). A request's
-tokens do not depend on the batch: its pieces see only its own cache slot.
+step, a block's causal commit, an AR token, a draft or a verify, mixed), decides every request's
+picks at once on the logits' device with one copy to the host (strategies/nemotron_decide.py),
+hands each request its share, and admits waiting requests into freed slots (at most
+`max_num_seqs` run). A request's tokens do not depend on the batch: its pieces see only its own
+cache slot.
 
 It reuses the engine's loaded model (the same weights, dtype and device) and is driven by
 the engine (`Engine.add_request` / `step` / `abort_request`), so `LLM`, the server and the
-benchmarks reach it like any decoder; it runs in the driver's process (tensor_parallel_size=1).
-Its slot cache is allocated beside the engine's paged pool, on demand.
+benchmarks reach it like any decoder. Its slots are pages of the engine's own pool; its forward
+goes through the engine's executor (`executor.run_pieces`), so under tensor parallelism every
+rank runs its shard of it over the same pages (executor/tp_executor.py, #50).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -22,14 +26,13 @@ import torch
 from cover_vllm.engine.setup import prompt_ids
 from cover_vllm.engine.setup import prefix_caching
 from cover_vllm.engine.nemotron_scoring import causal_loglikelihood, check_scoring
-from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.scoring.params import LoglikelihoodParams
-from cover_vllm.models.nemotron_cache import (PagedSlots, SlotCache, causal_page_keys,
-                                              run_pieces)
+from cover_vllm.models.nemotron_cache import PagedSlots, SlotCache, causal_page_keys
 from cover_vllm.outputs import CompletionOutput, RequestOutput, RequestMetrics
 from cover_vllm.sampling_params import SamplingParams
 from cover_vllm.strategies import make_params
 from cover_vllm.strategies.nemotron import LOOPS, Job, Loop
+from cover_vllm.strategies.nemotron_decide import decide
 
 CAUSAL_DECODINGS = tuple(LOOPS)
 
@@ -38,11 +41,10 @@ class NemotronRunner:
     """`generate(requests)` for requests whose decoding is one of CAUSAL_DECODINGS."""
 
     def __init__(self, engine, model_path=None):
-        if engine.config.tensor_parallel_size != 1:
-            raise ValueError("decoding='nemotron' | 'ar' | 'linear_spec' runs in the driver "
-                             "process: use tensor_parallel_size=1")
         self.engine, self.spec = engine, engine.spec
-        self.model = engine.executor.model
+        self.model = engine.executor.model              # the driver's (a shard under TP)
+        # forward(cache, pieces) -> logits: in-process, or on every tensor-parallel rank
+        self.forward = engine.executor.run_pieces
         param = next(self.model.parameters())
         dims = self.model.dims
         # the engine's own pages: one KV budget, admission by free pages
@@ -56,8 +58,7 @@ class NemotronRunner:
         self._known: set[str] = set()
         self.scoring: list[tuple] = []                   # (request id, pair, params)
         # the checkpoint's PEFT draft adapter (linear_spec_lora/), on for draft rows only
-        self.adapter = getattr(self.model, "draft_adapter", None) or load_draft_adapter(
-            self.model, model_path)
+        self.adapter = engine.executor.draft_adapter(model_path)
         self.prefix_caching = prefix_caching(engine.config, self.spec)
 
     def make_loop(self, prompt, params: SamplingParams, default: str) -> tuple[str | None, Loop]:
@@ -115,7 +116,7 @@ class NemotronRunner:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.scoring)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, forward one piece of every running request
         in one batch, and return the outputs of those that finished."""
@@ -139,11 +140,12 @@ class NemotronRunner:
             self.running.append(item)
         if not self.running:
             return scored
-        logits = run_pieces(self.model, self.cache, [r[2].next_piece() for r in self.running])
+        logits = self.forward(self.cache, [r[2].next_piece() for r in self.running])
+        picks = decide(logits, [r[2] for r in self.running], self.engine.transfer)
         still, finished = [], []
-        for item, rows in zip(self.running, logits):
+        for item, pick in zip(self.running, picks):
             loop = item[2]
-            loop.absorb(rows, self.cache)
+            loop.absorb(pick.tokens, pick.confidence, self.cache)
             if self.prefix_caching and loop.causal_prefill and not loop.indexed \
                     and self.cache.lengths[loop.slot] >= len(loop.job.prompt):
                 self.cache.index(loop.slot, causal_page_keys(loop.job.prompt,
@@ -214,7 +216,9 @@ class CausalSide:
     builds the runner on first use, so other models never pay for it."""
 
     def __init__(self, engine, model_path):
-        self.engine, self.model_path = engine, model_path
+        # a proxy: the engine owns this side, and a strong reference back would be a cycle that
+        # keeps the engine (weights, KV pool) alive after `del llm` until a full collection
+        self.engine, self.model_path = weakref.proxy(engine), model_path
         self.runner: NemotronRunner | None = None
 
     def take(self, request_id: str, prompt, params) -> bool:

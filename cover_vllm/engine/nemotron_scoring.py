@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cover_vllm.models.nemotron_cache import Piece, run_pieces
+from cover_vllm.models.nemotron_cache import Piece
 from cover_vllm.scoring.params import LoglikelihoodOutput, LoglikelihoodParams, ScoreMetrics
 from cover_vllm.scoring.prompts import check_pair, score_pair
 
@@ -32,7 +32,7 @@ def causal_loglikelihood(runner, requests: list, params: list[LoglikelihoodParam
         try:
             pieces = [Piece(s, c + x, True, False, list(range(len(c) - 1, len(c) + len(x) - 1)))
                       for s, (c, x) in zip(slots, chunk)]
-            logits = run_pieces(runner.model, runner.scratch, pieces)
+            logits = runner.forward(runner.scratch, pieces)     # every rank under TP
         finally:
             for s in slots:
                 runner.scratch.release(s)

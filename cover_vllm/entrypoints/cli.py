@@ -46,7 +46,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     seed=args.seed, tokens_per_step=args.tokens_per_step, kv_cache=kv_caches,
                     cache_refresh=refreshes, decoding_params=tuple(params.items()),
                     use_tqdm=not args.no_tqdm, threads=args.num_threads, dtype=args.dtype,
-                    quantization=args.quantization, batch_invariant=args.batch_invariant)
+                    quantization=args.quantization, batch_invariant=args.batch_invariant,
+                    device=args.device)
     baseline = load_baseline(args.baseline) if args.baseline else None   # before any work
     for base in (baseline or {}).values():
         if base["task"] in spec.tasks:
@@ -285,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an earlier --json on the same problems: print each row's problems lost "
                    "and gained against it, and the sign test's p")
     e.add_argument("--list-tasks", action="store_true", help="print the task names and exit")
-    add_engine_flags(e, ["dtype", "num_threads", "quantization", "batch_invariant"])
+    add_engine_flags(e, ["dtype", "num_threads", "quantization", "batch_invariant", "device"])
     e.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 

@@ -15,6 +15,8 @@ from cover_vllm.scheduler.output import SchedulerOutput
 
 
 REBUILD_ADVICE = "In-flight requests cannot finish; create a new LLM/engine."
+# the remote ranks' lock-step forwards: each answers None or its traceback (remote.py)
+STEP_METHODS = ("execute_model", "run_pieces")
 
 
 class ExecutorError(RuntimeError):
@@ -56,6 +58,10 @@ class Executor(Protocol):
     def num_pages(self) -> int: ...
 
     def execute_model(self, out: SchedulerOutput) -> Any: ...     # -> ModelRunnerOutput
+
+    def run_pieces(self, cache: Any, pieces: list) -> Any: ...    # Nemotron's forward: logits
+
+    def draft_adapter(self, model_dir: Any) -> Any: ...           # its LoRA, on every rank
 
     def check_health(self) -> None: ...                           # raises ExecutorError if dead
 

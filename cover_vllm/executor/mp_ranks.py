@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from cover_vllm.config import EngineConfig
-from cover_vllm.executor.base import RemoteRankError
+from cover_vllm.executor.base import STEP_METHODS, RemoteRankError
 
 _POLL_S = 0.05
 
@@ -86,7 +86,7 @@ class MPRanks:
     def wait(self, pending: str, timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s
         results = [self._recv(i, deadline) for i in range(len(self._conns))]
-        if pending == "execute_model":
+        if pending in STEP_METHODS:
             for i, tb in enumerate(results):
                 if tb is not None:
                     raise self._error(i, tb)

@@ -20,7 +20,7 @@ from typing import Any
 
 from cover_vllm.config import EngineConfig
 from cover_vllm.distributed.comm import own_address
-from cover_vllm.executor.base import RemoteRankError
+from cover_vllm.executor.base import STEP_METHODS, RemoteRankError
 from cover_vllm.executor.placement import (BUNDLE_CPUS, current_node, group_bundles, in_bundle,
                                            make_group, remove_group, wait_group)
 from cover_vllm.executor.remote import ShardWorker
@@ -113,7 +113,7 @@ class RayRanks:
                 raise RemoteRankError(rank, f"no answer within {timeout_s:g} s (hung or "
                                       "overloaded)", pid=self._pid(rank))
             value = self._get(rank, ref)
-            if method == "execute_model" and value is not None:     # its traceback
+            if method in STEP_METHODS and value is not None:     # its traceback
                 raise RemoteRankError(rank, value, pid=self._pid(rank))
             results.append(value)
         return results
@@ -132,7 +132,7 @@ class RayRanks:
             for ref in ready:
                 try:
                     value = self._get(rank_of[ref], ref)
-                    if method == "execute_model" and value is not None:   # a traceback
+                    if method in STEP_METHODS and value is not None:   # a traceback
                         found.append(RemoteRankError(rank_of[ref], value,
                                                      pid=self._pid(rank_of[ref])))
                 except RemoteRankError as err:

@@ -29,6 +29,7 @@ from cover_vllm.distributed.tensor_parallel import TensorParallel
 from cover_vllm.executor.placement import current_node
 from cover_vllm.executor.step_delta import StepDecoder
 from cover_vllm.models.builtin import resolve_model
+from cover_vllm.models.nemotron_cache import PiecesCall, run_call
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 
@@ -41,7 +42,7 @@ class ShardWorker:
 
         resolved = resolve_model(config.model)       # a local directory (local_config)
         spec = ModelSpec.from_config(resolved.config).with_max_model_len(config.max_model_len)
-        self.rank = rank
+        self.rank, self.page_size = rank, config.page_size
         self.comm = GroupComm(rank, world_size, config.device, config.distributed_timeout_s)
         self.worker = Worker(config, resolved, spec, TensorParallel(rank, world_size, self.comm))
         self.steps = StepDecoder()
@@ -65,15 +66,31 @@ class ShardWorker:
     def execute_model(self, message: SchedulerOutput) -> str | None:
         """Run the step the driver encoded (executor/step_delta.py). None on success; else the
         traceback, and this process exits EXIT_DELAY_S later."""
-        try:
-            self.worker.execute_model(self.steps.decode(message))
-            return None
-        except BaseException:
-            threading.Timer(EXIT_DELAY_S, os._exit, args=(1,)).start()
-            return traceback.format_exc()
+        return _step(lambda: self.worker.execute_model(self.steps.decode(message)))
+
+    def run_pieces(self, call: PiecesCall) -> str | None:
+        """Run this rank's share of one of Nemotron's batched forwards (#50) over its own KV
+        shard; like `execute_model`, None or the traceback (and the process exits)."""
+        return _step(lambda: run_call(self.worker.model, self.worker.cache,
+                                      self.page_size, call))
+
+    def draft_adapter(self, model_dir) -> None:
+        """Load this rank's shard of the checkpoint's LoRA draft adapter (nothing collective)."""
+        self.worker.draft_adapter(model_dir)
 
     def close(self) -> None:
         self.comm.close()
+
+
+def _step(run) -> str | None:
+    """Run one lock-step forward: None, or its traceback with this process exiting
+    EXIT_DELAY_S later (its collectives are out of step; the exit fails the driver's at once)."""
+    try:
+        run()
+        return None
+    except BaseException:
+        threading.Timer(EXIT_DELAY_S, os._exit, args=(1,)).start()
+        return traceback.format_exc()
 
 
 def mp_worker_main(conn: Connection, config: EngineConfig, rank: int, world_size: int) -> None:

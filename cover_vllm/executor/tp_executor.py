@@ -6,6 +6,10 @@ through torch.distributed keep the ranks in lock-step — then collects the rank
 Only the driver's logits are used: the strategy runs once, in the engine process, and its
 decision reaches the ranks inside the next SchedulerOutput.
 
+Nemotron's decodings (engine/nemotron_runner.py) step the same way through `run_pieces`: the
+driver keeps every slot's bookkeeping and sends each forward as a `PiecesCall` (the pieces with
+their lengths and page ids), which a rank runs statelessly over its own KV shard (#50).
+
 Failure handling: any error in a step (a dead rank closes its sockets, so the driver's pending
 all-reduce fails at once; a hung rank trips the collective or reply timeout) is diagnosed
 (which rank, its pid, exit code or traceback), every remote rank is stopped, and the executor
@@ -29,6 +33,7 @@ from cover_vllm.executor.step_delta import StepEncoder
 from cover_vllm.logger import init_logger
 from cover_vllm.models.builtin import ResolvedModel, local_config
 from cover_vllm.models.loader import build_model
+from cover_vllm.models.nemotron_cache import pieces_call
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
 from cover_vllm.step_plan import ModelRunnerOutput
@@ -91,6 +96,11 @@ class TPExecutor:
     def num_pages(self) -> int:
         return self.driver.num_pages
 
+    @property
+    def cache(self):
+        """The driver's KV cache (rank 0's kv heads); every rank's pool has the same pages."""
+        return self.driver.cache
+
     def peak_memory_bytes(self) -> list[int]:
         """Peak resident memory (VmHWM) of every rank's process, rank 0 (this one) first."""
         self.check_health()
@@ -98,11 +108,36 @@ class TPExecutor:
         return [*self.driver.peak_memory_bytes(), *remote]
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self._lockstep("execute_model", self.steps.encode(out),
+                              lambda: self.driver.execute_model(out))
+
+    def run_pieces(self, cache, pieces: list):
+        """Nemotron's batched forward (models/nemotron_cache.py) on every rank; the driver's
+        logits. `cache`: the runner's PagedSlots (pages of the engine's pool) or a scratch
+        cache its pieces neither read nor write."""
+        return self._lockstep("run_pieces", pieces_call(cache, pieces),
+                              lambda: self.driver.run_pieces(cache, pieces))
+
+    def draft_adapter(self, model_dir):
+        """Load the checkpoint's LoRA draft adapter on every rank, each its shard; the
+        driver's (None when the checkpoint has none)."""
+        self.check_health()
+        adapter = self.driver.draft_adapter(model_dir)     # a bad adapter: ValueError, here
+        if adapter is not None:
+            try:
+                self.ranks.wait(self.ranks.call("draft_adapter", model_dir), self.timeout_s)
+            except Exception as exc:
+                raise self._fail(exc, None) from exc
+        return adapter
+
+    def _lockstep(self, method: str, message, run_driver):
+        """Send `message` to the remote ranks' `method`, run the driver's share meanwhile (the
+        all-reduces keep them in step), wait for the ranks; the driver's result."""
         self.check_health()
         pending = None
         try:
-            pending = self.ranks.call("execute_model", self.steps.encode(out))
-            result = self.driver.execute_model(out)
+            pending = self.ranks.call(method, message)
+            result = run_driver()
             self.ranks.wait(pending, self.timeout_s)
         except Exception as exc:
             raise self._fail(exc, pending) from exc

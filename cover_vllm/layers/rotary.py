@@ -44,10 +44,15 @@ class RotaryEmbedding(nn.Module):
         r = self.rotary_dim
         if torch.device(device or torch.get_default_device()).type == "meta":
             # a meta build (models/loader.py): shapes only, and no Python reference op (their
-            # first use imports torch._dynamo, 143 MiB resident)
+            # first use imports torch._dynamo, 143 MiB resident, and the import's frames keep
+            # the engine being built alive for good)
             return torch.empty((r + 1) // 2, dtype=torch.float32, device="meta")
-        exponent = torch.arange(0, r, 2, dtype=torch.float32, device=device) / r
-        return 1.0 / (self.theta ** exponent)                              # [r/2], fp32
+        return self._frequencies(device)
+
+    def _frequencies(self, device) -> torch.Tensor:
+        """[r/2] fp32 inverse frequencies on `device` (never meta)."""
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.theta ** (exponent / self.rotary_dim))
 
     def reset_buffers(self) -> None:      # fp32 `inv_freq` after a meta build (models/loader.py)
         self.inv_freq = self._inv_freq(self.inv_freq.device)

@@ -9,6 +9,7 @@ Every number is read from config.json's `rope_parameters` (or `rope_scaling`): `
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -101,8 +102,9 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     def __init__(self, head_dim: int, params: YarnParams, q_fraction: float):
         self.params, self.q_fraction = params, q_fraction
         super().__init__(head_dim, params.theta)
+        self.position_bound: int | None = None     # `positions_below`; None: unknown
 
-    def _inv_freq(self, device) -> torch.Tensor:
+    def _frequencies(self, device) -> torch.Tensor:
         inv_freq = yarn_inv_freq(self.params, self.rotary_dim)
         return inv_freq if device is None else inv_freq.to(device)
 
@@ -114,10 +116,36 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     def at(self, positions: torch.Tensor) -> Rotation:
         rot = super().at(positions)
         p = self.params
-        if p.llama4_beta is None:
+        if p.llama4_beta is None or self._q_scale_is_one():
             return rot
         scale = llama4_q_scale(positions, p.llama4_beta, p.original_max)
         return ScaledQRotation(rot, scale[:, None, None], self.q_fraction)
+
+    def _q_scale_is_one(self) -> bool:
+        """Whether the host knows every position of this forward is below
+        original_max_position_embeddings (`positions_below`): the Llama-4 scale is then exactly
+        1 (log1p(0) = 0 times a finite beta, plus 1), and multiplying by 1 leaves every bit, so
+        the forward skips it (one op per layer and nine per forward; issue #50)."""
+        bound, beta = self.position_bound, self.params.llama4_beta
+        return bound is not None and bound <= self.params.original_max and math.isfinite(beta)
+
+
+@contextlib.contextmanager
+def positions_below(ropes: list[YarnRotaryEmbedding], positions: torch.Tensor | int):
+    """Within this block each of `ropes` knows that every position it is given is below the
+    largest of the host tensor `positions` (or the int itself) plus one (the model runner's
+    eager forward; a captured graph replays for any positions and never gets a bound)."""
+    if not ropes or (isinstance(positions, torch.Tensor) and positions.numel() == 0):
+        yield
+        return
+    bound = (positions if isinstance(positions, int) else int(positions.max())) + 1
+    for rope in ropes:
+        rope.position_bound = bound
+    try:
+        yield
+    finally:
+        for rope in ropes:
+            rope.position_bound = None
 
 
 class ScaledQRotation(Rotation):

@@ -6,6 +6,13 @@ for its diffusion-mode draft forwards only, off for prefills, commits and verifi
 Batched here: the runner marks which rows of a forward are draft rows (`set_rows`), and each
 adapted Linear adds scale·B(A(x)) to those rows only, so drafts and verifies of different
 requests share one forward. scale = lora_alpha / r (lora_alpha / sqrt(r) with `use_rslora`).
+
+Under tensor parallelism (#50) every rank loads the adapter for its shard (`slices`: the
+checkpoint slices of its weights, distributed/tensor_parallel.param_slices). A column-parallel
+Linear (out rows split) keeps A whole and its rows of B: its output rows are B_r·A·x. A
+row-parallel Linear (o_proj: input columns split, outputs summed) gets A's matching columns:
+A·x = sum_r A_r·x_r is all-reduced (r numbers a row, the Linear's own `reduce_output`), then
+every rank adds the same B·(A·x) to the already reduced output.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ class DraftAdapter:
     """LoRA pairs hooked onto the model's Linears, active on the rows `set_rows` marks."""
 
     def __init__(self, model: nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 scale: float):
+                 scale: float, slices: dict | None = None):
         self.scale, self.rows = scale, None
         modules = dict(model.named_modules())
         missing = sorted(set(pairs) - set(modules))
@@ -35,20 +42,23 @@ class DraftAdapter:
         ref = next(model.parameters())
         for name, (a, b) in pairs.items():
             lin = modules[name]
+            a, b, reduce = _shard_pair(name, a, b, (slices or {}).get(f"{name}.weight"), lin)
             if a.shape[1] != lin.in_features or b.shape[0] != lin.out_features:
                 raise ValueError(f"LoRA shapes of {name} ({tuple(a.shape)}, {tuple(b.shape)}) "
                                  f"do not fit its [{lin.out_features}, {lin.in_features}] weight")
             pair = (a.to(ref.device, ref.dtype), b.to(ref.device, ref.dtype))
-            self.handles.append(lin.register_forward_hook(self._hook(pair)))
+            self.handles.append(lin.register_forward_hook(self._hook(pair, reduce)))
 
-    def _hook(self, pair):
+    def _hook(self, pair, reduce=None):
         a, b = pair
 
         def add_lora(module, inputs, out):
             if self.rows is None:
                 return out
-            x = inputs[0]
-            delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
+            ax = torch.nn.functional.linear(inputs[0], a)           # [T, r]
+            if reduce is not None:                                  # row-parallel: sum_r A_r x_r
+                ax = reduce(ax)
+            delta = torch.nn.functional.linear(ax, b)
             return out + delta * (self.scale * self.rows[:, None].to(out.dtype))
         return add_lora
 
@@ -61,9 +71,24 @@ class DraftAdapter:
             h.remove()
 
 
-def load_draft_adapter(model: nn.Module, model_dir: str | Path | None) -> DraftAdapter | None:
+def _shard_pair(name: str, a: torch.Tensor, b: torch.Tensor, sl, lin: nn.Module):
+    """(A, B, reduce) of one rank (see the module docstring); unchanged without a slice."""
+    if sl is None:
+        return a, b, None
+    if sl.dim == 0:                                     # column-parallel: B's rows of this rank
+        return a, sl.take(b), None
+    reduce = getattr(lin, "reduce_output", None)
+    if reduce is None:
+        raise ValueError(f"LoRA on {name}: a row-parallel Linear without an output all-reduce "
+                         "is not supported under tensor parallelism")
+    return sl.take(a).contiguous(), b, reduce           # row-parallel: A's columns
+
+
+def load_draft_adapter(model: nn.Module, model_dir: str | Path | None,
+                       slices: dict | None = None) -> DraftAdapter | None:
     """The checkpoint's draft adapter attached to `model` (model.draft_adapter), or None when
-    `model_dir` has no `linear_spec_lora/` subfolder."""
+    `model_dir` has no `linear_spec_lora/` subfolder. `slices`: a tensor-parallel rank's
+    (param_slices), so it holds its shard of the adapter."""
     if model_dir is None:
         return None
     folder = Path(model_dir) / ADAPTER_DIR
@@ -84,6 +109,6 @@ def load_draft_adapter(model: nn.Module, model_dir: str | Path | None) -> DraftA
     if not pairs or any(a is None or b is None for a, b in pairs.values()):
         raise ValueError(f"{folder}: adapter_model.safetensors needs lora_A and lora_B weights "
                          "for every target module")
-    adapter = DraftAdapter(model, {k: (a, b) for k, (a, b) in pairs.items()}, scale)
+    adapter = DraftAdapter(model, {k: (a, b) for k, (a, b) in pairs.items()}, scale, slices)
     model.draft_adapter = adapter
     return adapter

@@ -143,10 +143,18 @@ class _Seeds:
                    at(d.state["deferred"]), at(d.replace), at(d.remask))
 
 
-def _least_likely(mask: torch.Tensor, own: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+def and_not(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a & ~b` of bool tensors in one op instead of two: False < True, so a > b exactly
+    where a is True and b is False (issue #50: a step's device ops)."""
+    return a > b
+
+
+def _least_likely(mask: torch.Tensor, minus_own: torch.Tensor,
+                  k: torch.Tensor | int) -> torch.Tensor:
     """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
-    probability (ties: lower position first)."""
-    return topk_mask((-own).masked_fill(~mask, float("-inf")), k)
+    probability (ties: lower position first); `minus_own` = -own, negated once per decision.
+    A k below 1 picks nothing (no rank is below it)."""
+    return topk_mask(torch.where(mask, minus_own, float("-inf")), k)
 
 
 class Cover(Strategy):
@@ -263,8 +271,8 @@ class Cover(Strategy):
         draft_tokens = (rows.put(greedy(picked), 0) if plain_greedy(batch) else
                         propose(batch, rows=rows)[0])
         probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
-        cand_conf = rows.put(probs.gather(-1, rows.take(draft_tokens)[:, None])[:, 0], 0.0)
-        cand_conf = cand_conf.masked_fill(~candidates, float("-inf"))   # = threshold's float64
+        cand_conf = rows.gather(probs, draft_tokens, float("-inf"),   # = threshold's float64
+                                keep=candidates)
         draft = topk_mask(cand_conf, 1)
         draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen
         if p.max_draft is not None:
@@ -275,7 +283,7 @@ class Cover(Strategy):
         best = checks.put(greedy(loo), 0)                   # argmax, first on ties
         conf = checks.put(loo.amax(-1), 0.0)
         own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
-        own = checks.put(loo.gather(-1, own_token[:, None])[:, 0], 0.0)
+        own = checks.gather_taken(loo, own_token, 0.0)
         keep, deferred, replace, remask = self._judge(batch, seeds, draft, best, conf, own)
         state = {"keep": keep, "deferred": deferred, "draft_conf": cand_conf, "conf": conf,
                  "own": own}
@@ -294,27 +302,29 @@ class Cover(Strategy):
         p = self.params
         agree = best == batch.tokens
         keep = seeds & agree & (own >= p.keep_min)
-        revise = seeds & ~keep
-        deferred = torch.zeros_like(revise)
+        revise = and_not(seeds, keep)
+        minus_own = own.neg()
         # Revise at most max_revise seeds per request and step, the least likely own tokens
         # first. Each seed's check assumed every other seed keeps its token, so two revisions in
         # one step can contradict each other (two cells of a row both taking the missing
         # digit); the rest are kept for now and checked again (`deferred`).
         if p.max_revise is not None:
-            first = _least_likely(revise, own, p.max_revise)
-            deferred, revise = revise & ~first, first
+            first = _least_likely(revise, minus_own, p.max_revise)
+            deferred, revise = and_not(revise, first), first
+        else:
+            deferred = torch.zeros_like(revise)
         # Replace when the check prefers another token by majority (changed in place: no
         # progress lost, never a flip-flop); ReMask when it is unsure of every token. τ_rep =
         # 0.5 rather than τ_draft: on cover-tiny the remasks τ_draft left were 3 in 4 flip-flops
         # and replacing them instead cost no accuracy (docs/benchmarks.md).
         tau_rep = p.draft_threshold if p.replace_threshold is None else p.replace_threshold
-        replace = revise & ~agree & (conf >= tau_rep)
-        unsure = revise & ~replace
+        replace = and_not(revise, agree) & (conf >= tau_rep)
+        unsure = and_not(revise, replace)
         # progress guard (§1.3 step 6): at most max(0, drafted - 1) remasks per request, the
         # least likely own tokens first, so a verification-only step (no [MASK] left) never
         # remasks. A seed it holds back keeps its token for now and is checked again.
-        remask = _least_likely(unsure, own, (draft.sum(-1) - 1).clamp(min=0))
-        return keep, deferred | (unsure & ~remask), replace, remask
+        remask = _least_likely(unsure, minus_own, draft.sum(-1) - 1)
+        return keep, deferred | and_not(unsure, remask), replace, remask
 
     def absorb(self, batch: StepBatch, decision: Decision) -> None:
         """Advance every request's per-position memory (block positions) at once, on an

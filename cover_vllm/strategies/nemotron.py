@@ -3,9 +3,12 @@
 `ar_generate`) and `linear_spec` (its `linear_spec_generate`: self-speculation, here batched).
 
 Each request says what its next forward is (`next_piece`: tokens, attention mode, whether the
-K/V are written, which logits rows it needs; models/nemotron_cache.py) and takes those logits
-back (`absorb`). The runner (engine/nemotron_runner.py) forwards every running request's piece
-in one batch, so the three decodings mix freely; a request never depends on the others.
+K/V are written, which logits rows it needs; models/nemotron_cache.py) and takes back what was
+decided on those rows (`absorb`): per row the picked token and, when it `wants_confidence`, that
+token's softmax probability, computed for the whole batch on the logits' device and copied to the
+host once a step (strategies/nemotron_decide.py); a request's own work is on plain lists. The
+runner (engine/nemotron_runner.py) forwards every running request's piece in one batch, so the
+three decodings mix freely; a request never depends on the others.
 
 NFE follows the official counts (../shared/golden/README.md "Nemotron-Labs-Diffusion"):
 `generate` counts every diffusion forward and each block's commit, not the prefill; `ar_generate`
@@ -14,12 +17,37 @@ counts generated tokens; `linear_spec_generate` counts the prefill, every draft 
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from cover_vllm.models.nemotron_cache import Piece
 from cover_vllm.strategies.base import StrategyParams
+
+
+def float32(value: float) -> float:
+    """`value` rounded to float32: the official code compares float32 confidences with a Python
+    threshold, which torch rounds to the tensor's dtype first."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def top_k(scores: list[float], k: int) -> list[int]:
+    """The positions of the k highest `scores` (float32 values; -inf for positions that may not
+    be chosen), as `torch.topk(scores, k).indices` chooses them on the host (the official order
+    of selection). Without a tie across the k-th place the set is the same whatever the tie
+    rule, so Python's sort decides; a tie there (rare: two equal float32 probabilities) asks
+    torch.topk itself, so even then the tokens stay the official ones."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if 0 < k < len(scores) and scores[order[k - 1]] == scores[order[k]]:
+        return _torch_topk(scores, k)
+    return order[:k]
+
+
+def _torch_topk(scores: list[float], k: int) -> list[int]:
+    """torch.topk's indices, in its order, over float32 `scores` on the host."""
+    return torch.topk(torch.tensor(scores, dtype=torch.float32), k).indices.tolist()
 
 
 def _check_threshold(value: float | None, low_ok: bool) -> None:
@@ -119,30 +147,16 @@ class Loop:
         self.indexed = False                    # its prompt's K/V are in the prefix cache
         self.accepted: list[int] = []           # linear_spec: tokens accepted per verify
         self.arrival = 0.0                      # perf_counter() when queued
-        self._gen: torch.Generator | None = None
+        self.generator: torch.Generator | None = None   # temperature > 0 (nemotron_decide.py)
 
     def capacity(self) -> int:
         """Cache positions this request may write (prompt, canvas and a spare block)."""
         return len(self.job.prompt) + self.job.max_tokens + 2 * self.job.block_length + 1
 
-    def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows] host token ids: argmax per row, or Gumbel-max in float64 with temperature > 0
-        (the official `_add_gumbel_noise`, from this request's own generator on the logits'
-        device). Only the row values cross to the host."""
-        t = self.job.temperature
-        if t <= 0:
-            return logits.argmax(-1).cpu()
-        if self._gen is None:
-            self._gen = torch.Generator(device=logits.device).manual_seed(self.job.seed)
-        noise = torch.rand(logits.shape, dtype=torch.float64, generator=self._gen,
-                           device=logits.device)
-        return (logits.double().exp() / (-noise.log()) ** t).argmax(-1).cpu()
-
-    @staticmethod
-    def confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[rows] host softmax probability of `tokens` (host ids) under `logits`."""
-        index = tokens.to(logits.device)[:, None]
-        return torch.softmax(logits, -1).gather(-1, index)[:, 0].cpu()
+    @property
+    def wants_confidence(self) -> bool:
+        """Whether the next `absorb` reads the picks' softmax probabilities."""
+        return False
 
     def output(self) -> list[int]:
         """The generated tokens through the first EOS, at most max_tokens."""
@@ -180,33 +194,39 @@ class BlockLoop(Loop):
         super().__init__(job, params)
         self.num_blocks = -(-job.max_tokens // job.block_length)
         self.block_index = -1
-        self.block: torch.Tensor | None = None
+        self.block: list[int] = []
         self.seed: int | None = None
         self.phase = "prefill"
+        self.threshold = None if params.threshold is None else float32(params.threshold)
 
     def next_piece(self) -> Piece:
         cc, b = self.params.causal_context, self.job.block_length
         if self.phase == "prefill":
             return self.prefill_piece(cc, cc)
-        tokens = self.block.tolist()
+        tokens = list(self.block)
         if self.phase == "commit":
             return Piece(self.slot, tokens, cc, True, [b - 1] if cc else [])
         return Piece(self.slot, tokens, False, False, list(range(b)))
 
-    def absorb(self, logits: torch.Tensor, cache=None) -> None:
+    @property
+    def wants_confidence(self) -> bool:
+        return self.phase == "denoise"
+
+    def absorb(self, tokens: list[int], confidence: list[float] | None, cache=None) -> None:
         if self.phase == "prefill":
-            self.seed = int(self.pick(logits)[-1]) if logits.shape[0] else None
+            self.seed = tokens[-1] if tokens else None
             self._start_block()
         elif self.phase == "denoise":
             self.nfe += 1
-            self._unmask(logits)
+            self._unmask(tokens, confidence)
             self.step += 1
-            if self.step >= self.job.block_length or self._eos_done() or not self._masked().any():
+            if self.step >= self.job.block_length or self._eos_done() \
+                    or self.job.mask_id not in self.block:
                 self.phase = "commit"
         else:
             self.nfe += 1
-            self.seed = int(self.pick(logits)[-1]) if logits.shape[0] else None
-            self.generated += self.block.tolist()
+            self.seed = tokens[-1] if tokens else None
+            self.generated += self.block
             if any(t in self.job.eos_ids for t in self.generated) \
                     or self.block_index + 1 >= self.num_blocks:
                 self.finished = True
@@ -217,43 +237,43 @@ class BlockLoop(Loop):
     def causal_prefill(self) -> bool:
         return self.params.causal_context
 
-    def _masked(self) -> torch.Tensor:
-        return self.block == self.job.mask_id
-
     def _start_block(self) -> None:
         b, p = self.job.block_length, self.params
         self.block_index += 1
-        self.block = torch.full((b,), self.job.mask_id, dtype=torch.long)
+        self.block = [self.job.mask_id] * b
         if p.causal_context and self.seed is not None:
             self.block[0] = self.seed
         before = self.block_index * b
         if p.max_thinking_tokens is not None and before + b > p.max_thinking_tokens \
                 and self._think_due(self.generated):
             self.block[max(0, p.max_thinking_tokens - before)] = p.end_think_token_id
-        masked = int(self._masked().sum())
+        masked = self.block.count(self.job.mask_id)
         base, extra = divmod(masked, b)
         self.schedule = [base + (i < extra) for i in range(b)]      # remainder first
         self.step = 0
         self.phase = "denoise" if masked else "commit"
 
-    def _unmask(self, logits: torch.Tensor) -> None:
-        mask = self._masked()
-        x0 = self.pick(logits)
-        conf = self.confidence(logits, x0)
-        conf = torch.where(mask, conf, torch.tensor(float("-inf")))
-        threshold = self.params.threshold
-        k = int(mask.sum()) if threshold is not None else self.schedule[self.step]
-        chosen = torch.topk(conf, k).indices
-        if threshold is not None and k > 1:
-            chosen = torch.cat([chosen[:1], chosen[1:][conf[chosen[1:]] >= threshold]])
-        self.block[chosen] = x0[chosen]
+    def _unmask(self, tokens: list[int], confidence: list[float]) -> None:
+        """The official step: the top-k masked positions by confidence (with a threshold, every
+        masked one ranked: the best, then the others at or above it) take their picks."""
+        mask_id, threshold = self.job.mask_id, self.threshold
+        scores = [c if t == mask_id else -math.inf for t, c in zip(self.block, confidence)]
+        k = self.block.count(mask_id) if threshold is not None else self.schedule[self.step]
+        if threshold is None or k == 1:
+            chosen = top_k(scores, k)
+        else:               # only the best is taken below the threshold: a tie there matters
+            best = max(scores)
+            tied = best < threshold and scores.count(best) > 1
+            first = _torch_topk(scores, k)[0] if tied else scores.index(best)
+            chosen = [first] + [i for i, c in enumerate(scores) if c >= threshold and i != first]
+        for i in chosen:
+            self.block[i] = tokens[i]
 
     def _eos_done(self) -> bool:
         """An EOS in the block with no [MASK] before it (the official early exit)."""
-        toks = self.block.tolist()
-        for i, tok in enumerate(toks):
+        for i, tok in enumerate(self.block):
             if tok in self.job.eos_ids:
-                return self.job.mask_id not in toks[:i]
+                return self.job.mask_id not in self.block[:i]
         return False
 
 
@@ -265,8 +285,8 @@ class ARLoop(Loop):
             return self.prefill_piece(True, True)
         return Piece(self.slot, self.generated[-1:], True, True, [0])
 
-    def absorb(self, logits: torch.Tensor, cache=None) -> None:
-        tok = int(self.pick(logits)[-1])
+    def absorb(self, tokens: list[int], confidence: list[float] | None, cache=None) -> None:
+        tok = tokens[-1]
         p = self.params
         if p.max_thinking_tokens is not None and len(self.generated) >= p.max_thinking_tokens \
                 and self._think_due(self.generated):
@@ -285,8 +305,9 @@ class SpecLoop(Loop):
     def __init__(self, job: Job, params: LinearSpecParams):
         super().__init__(job, params)
         self.phase = "prefill"
-        self.block: torch.Tensor | None = None
+        self.block: list[int] = []
         self.next_token = -1
+        self.threshold = float32(params.threshold)
         self.cache_len = 0
 
     def next_piece(self) -> Piece:
@@ -294,50 +315,50 @@ class SpecLoop(Loop):
         if self.phase == "prefill":
             return self.prefill_piece(True, True)
         if self.phase == "draft":
-            return Piece(self.slot, self.block.tolist(), False, False, list(range(b)),
+            return Piece(self.slot, list(self.block), False, False, list(range(b)),
                          adapter=True)
-        return Piece(self.slot, self.block.tolist(), True, True, list(range(b)))
+        return Piece(self.slot, list(self.block), True, True, list(range(b)))
 
-    def absorb(self, logits: torch.Tensor, cache=None) -> None:
+    @property
+    def wants_confidence(self) -> bool:
+        return self.phase == "draft" and self.threshold > 0
+
+    def absorb(self, tokens: list[int], confidence: list[float] | None, cache=None) -> None:
         self.nfe += 1
         if self.phase == "prefill":
             self.cache_len = len(self.job.prompt)
-            self.next_token = int(self.pick(logits)[-1])
+            self.next_token = tokens[-1]
             self.generated.append(self.next_token)
             if self.next_token in self.job.eos_ids or len(self.generated) >= self.job.max_tokens:
                 self.finished = True
             else:
                 self._start_round()
         elif self.phase == "draft":
-            self._draft(logits)
+            self._draft(tokens, confidence)
         else:
-            self._verify(logits, cache)
+            self._verify(tokens, cache)
 
     def _start_round(self) -> None:
-        b = self.job.block_length
-        self.block = torch.full((b,), self.job.mask_id, dtype=torch.long)
+        self.block = [self.job.mask_id] * self.job.block_length
         self.block[0] = self.next_token
-        self.phase = "draft" if bool((self.block == self.job.mask_id).any()) else "verify"
+        self.phase = "draft" if self.job.mask_id in self.block else "verify"
 
-    def _draft(self, logits: torch.Tensor) -> None:
-        mask = self.block == self.job.mask_id
-        tokens = self.pick(logits)
-        if self.params.threshold > 0:
-            conf = self.confidence(logits, tokens)
-            conf = torch.where(mask, conf, torch.tensor(float("-inf")))
-            unmask = conf >= self.params.threshold
-            if not bool(unmask.any()):
-                unmask = torch.zeros_like(mask)
-                unmask[conf.argmax()] = True
-            self.block[unmask] = tokens[unmask]
-        else:
-            self.block[mask] = tokens[mask]
-        if not bool((self.block == self.job.mask_id).any()):
+    def _draft(self, tokens: list[int], confidence: list[float] | None) -> None:
+        """Every mask takes its pick (threshold 0), or those at or above the threshold (at
+        least the best: the first of equals, as argmax picks it)."""
+        mask_id = self.job.mask_id
+        masked = [i for i, t in enumerate(self.block) if t == mask_id]
+        if self.threshold > 0:
+            scores = [c if t == mask_id else -math.inf for t, c in zip(self.block, confidence)]
+            masked = [i for i in masked if scores[i] >= self.threshold] \
+                or [scores.index(max(scores))]
+        for i in masked:
+            self.block[i] = tokens[i]
+        if mask_id not in self.block:
             self.phase = "verify"
 
-    def _verify(self, logits: torch.Tensor, cache) -> None:
-        ar = self.pick(logits).tolist()
-        draft = self.block.tolist()
+    def _verify(self, ar: list[int], cache) -> None:
+        draft = self.block
         accepted = 1
         while accepted < len(draft) and ar[accepted - 1] == draft[accepted]:
             accepted += 1

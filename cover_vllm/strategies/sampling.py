@@ -59,9 +59,37 @@ class Rows:
             out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
             out[self.mask] = values
             return out
+        if values.dim() == 1:                   # no view of the mask
+            return self._laid_out(values, fill)
         mask = self.mask.reshape(*self.mask.shape, *([1] * (values.dim() - 1)))
         return torch.where(mask, values.reshape(shape), torch.tensor(fill, dtype=values.dtype,
                                                                     device=values.device))
+
+    def gather(self, table: torch.Tensor, index: torch.Tensor, fill,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`put(table.gather(-1, take(index)[:, None])[:, 0], fill)`: the entry of `table`
+        [N, V] (rows already taken) at each row's `index` [n, W], laid out as [n, W]; with
+        `keep` ([n, W] bool within the mask) `fill` outside `keep` too. Off the CPU two views
+        (and with `keep` a `where`) fewer: the index seen as [N, 1], the result as [n, W]."""
+        assert not self.nested, "Rows.gather reads [n, W] indices: gather_taken for nested rows"
+        if self.compact:
+            out = self.gather_taken(table, self.take(index), fill)
+            return out if keep is None else torch.where(keep, out, fill)
+        return self._laid_out(table.gather(-1, index.reshape(-1, 1)), fill, keep)
+
+    def gather_taken(self, table: torch.Tensor, index: torch.Tensor, fill) -> torch.Tensor:
+        """`gather` with `index` [N] already taken (for nested rows: through `within` and this
+        one), one view fewer than `put` of a gathered column off the CPU."""
+        if self.compact:
+            return self.put(table.gather(-1, index[:, None])[:, 0], fill)
+        return self._laid_out(table.gather(-1, index.view(-1, 1)), fill)
+
+    def _laid_out(self, picked: torch.Tensor, fill,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[N] or [N, 1] values of every row (off the CPU) as [n, W], `fill` outside the mask
+        (or outside `keep`)."""
+        return torch.where(self.mask if keep is None else keep, picked.view(self.mask.shape),
+                           torch.tensor(fill, dtype=picked.dtype, device=picked.device))
 
 
 def as_rows(rows: torch.Tensor | Rows | None) -> Rows | None:
@@ -217,8 +245,7 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
     rows = as_rows(rows)
     if picked is None:
         picked = rows.take(logits)                                          # [N, V]
-    probs = softmax_probs(picked, dtype, mask, rows)
-    return rows.put(probs.gather(-1, rows.take(tokens)[:, None]).squeeze(-1), 0.0)
+    return rows.gather(softmax_probs(picked, dtype, mask, rows), tokens, 0.0)
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
@@ -234,5 +261,6 @@ def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
-    """`torch.isfinite(x)` in three ops instead of four (NaN fails both comparisons)."""
-    return (x > float("-inf")) & (x < float("inf"))
+    """`torch.isfinite(x)` of a floating tensor in two ops instead of four: |±inf| is inf and
+    NaN fails the comparison."""
+    return x.abs() < float("inf")

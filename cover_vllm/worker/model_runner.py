@@ -16,6 +16,7 @@ from cover_vllm.attention import AttentionBackend, build_metadata
 from cover_vllm.attention.layout import move_to
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.layers.base import kv_halves
+from cover_vllm.layers.yarn import YarnRotaryEmbedding, positions_below
 from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
@@ -33,11 +34,13 @@ class _Stats:
     """Collects attention in-mass (and, when a strategy reads it, key drift) on one layer during
     the forward (on the model's device, where the strategies read them)."""
 
-    def __init__(self, layer: int, rows: tuple[torch.Tensor, list[int]], num_tokens: int | None,
+    def __init__(self, layer: int, host_real: torch.Tensor,
+                 rows: tuple[torch.Tensor, torch.Tensor], num_tokens: int | None,
                  device: torch.device):
-        index, real = select_flat(*rows)         # each sequence's still-masked view rows
-        self.layer, self.any_rows = layer, bool(real.any())
-        self.index, self.real = index.to(device), real.to(device)
+        """`rows`: `select_flat`'s (index, real) of each sequence's still-masked view rows, on
+        the device (moved with the step's one copy); `host_real`: real on the host."""
+        self.layer, self.any_rows = layer, bool(host_real.any())
+        self.index, self.real = rows
         # [T] key drift; None when no item's strategy reads it (the refresh gate's mass only)
         self.drift = None if num_tokens is None else torch.zeros(num_tokens, device=device)
         self.attn_in: torch.Tensor | None = None     # [B, Kmax]; None: no masked row
@@ -53,6 +56,8 @@ class ModelRunner:
         self.device = cache.k[0].device         # the model's: every tensor it sees is built here
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
         pad_slot = getattr(cache, "pad_slot", None)
+        # rotations told the step's largest position (layers/yarn.py `positions_below`)
+        self.bounded_ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
         # CUDA graphs of the forward (worker/cuda_graphs.py); None: always eager
         self.graphs = (None if capture is None or pad_slot is None else
                        GraphRunner(self._forward, capture, pad_slot, self.device))
@@ -77,19 +82,21 @@ class ModelRunner:
         keep = self._read_rows(out, lay, host_ids, extra_rows)   # None: every view row
         if keep is not None:
             host_rows, keep = host_rows[keep], keep.nonzero().flatten().to(device)
+        selected = ()          # the statistics' rows (select_flat), built on the host
+        if measured:
+            selected = select_flat(stat_rows(lay, host_ids, self.model.spec.mask_token_id),
+                                   [s.window_len for s in lay.seqs[:len(lay.rows)]])
         if graph is None:                               # eager: one copy to the device
-            meta, (ids, positions, logit_rows) = move_to(
+            meta, (ids, positions, logit_rows, *moved_rows) = move_to(
                 device, build_metadata(lay.seqs, "cpu", scratch), host_ids, host_positions,
-                host_rows)
+                host_rows, *selected)
         else:                                           # the graph's inputs are in place
             logit_rows = None if host_rows is None else host_rows.to(device)
         prepare_s = time.perf_counter() - start
         stats = None
         if measured:
             drift = any(item.want_stats for item in out.items)
-            rows = stat_rows(lay, host_ids, self.model.spec.mask_token_id)
-            stats = _Stats(self.model.dims.num_layers - 1,
-                           (rows, [s.window_len for s in lay.seqs[:len(lay.rows)]]),
+            stats = _Stats(self.model.dims.num_layers - 1, selected[1], tuple(moved_rows),
                            ids.numel() if drift else None, device)
         if graph is not None:
             hidden = graph()
@@ -98,7 +105,9 @@ class ModelRunner:
             if lay.edits:
                 edits = [(flat.to(device), edit) for flat, edit in lay.edits]
                 embeds = apply_embed_edits(self.model.embed, embeds, edits)
-            hidden = self.model.forward_tokens(embeds, positions, self._attention(meta, stats))
+            with positions_below(self.bounded_ropes, host_positions):
+                hidden = self.model.forward_tokens(embeds, positions,
+                                                   self._attention(meta, stats))
         scores = None if lay.scores is None else score_forward(self.model, hidden, lay.scores,
                                                                self.transfer.fetch)
         if not out.items:                          # a scoring-only forward

@@ -19,8 +19,9 @@ from cover_vllm.attention.correction import expand_kv_heads
 
 def key_drift(k_new: torch.Tensor, k_old: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """[Tw, Hkv, d] x 2 -> [Tw] mean relative change per position."""
-    num = (k_new.float() - k_old.float()).norm(dim=-1)
-    return (num / (k_old.float().norm(dim=-1) + eps)).mean(dim=-1)
+    old = k_old.float()          # widened once; k_new widens exactly inside the subtraction
+    num = (k_new - old).norm(dim=-1)
+    return (num / (old.norm(dim=-1) + eps)).mean(dim=-1)
 
 
 def select_rows(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ from cover_vllm.layers.common import pack_projections, use_fast_norm
 from cover_vllm.layers.rotary import reserve_rope_tables
 from cover_vllm.models.builtin import ResolvedModel
 from cover_vllm.models.loader import build_model, materialize, resolve_dtype, weight_source
+from cover_vllm.models.nemotron_cache import run_pieces
+from cover_vllm.models.nemotron_lora import load_draft_adapter
 from cover_vllm.models.quantization import load_quantized, quantize_model
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.scheduler.output import SchedulerOutput
@@ -77,7 +79,7 @@ class Worker:
                            min(spec.max_model_len, DEFAULT_CANVAS_TOKENS),
                            wants_scratch(config.decoding))          # = the engine's MemoryPlan
         num_pages, num_rings = plan.num_pages, plan.num_rings
-        self.tp, self.num_pages = tp, num_pages
+        self.tp, self.num_pages, self.slices = tp, num_pages, slices
         capture = None
         if layout.ring_len:             # per-layer pools, sliding layers in rings (DiffusionGemma)
             self.cache = model.allocate_kv(num_pages * config.page_size,
@@ -102,6 +104,17 @@ class Worker:
         with self.invariant:
             result = self.runner.execute_model(out)
         return result if self.tp is None else self.tp.reduce_stats(result)
+
+    def run_pieces(self, cache, pieces: list) -> list[torch.Tensor]:
+        """One batched forward of Nemotron's decodings (models/nemotron_cache.py) over `cache`
+        (the runner's PagedSlots over this worker's pool, or a standalone SlotCache)."""
+        return run_pieces(self.model, cache, pieces)
+
+    def draft_adapter(self, model_dir):
+        """The checkpoint's LoRA draft adapter on this worker's model (its shard under tensor
+        parallelism), loaded once; None when the checkpoint has none."""
+        return getattr(self.model, "draft_adapter", None) or load_draft_adapter(
+            self.model, model_dir, self.slices)
 
     def peak_memory_bytes(self) -> list[int]:
         """Peak resident memory (VmHWM) of this process, as a one-rank list."""
