@@ -12,11 +12,14 @@ one op per official op, in the model's dtype:
 * MLP: silu(ff_proj(h)) * up_proj(h), ff_out; residuals; ln_f; ff_out (the head).
 
 The loops follow Fast-dLLM's `generate` (no cache), `generate_with_prefix_cache` and
-`generate_with_dual_cache` at temperature 0 with a threshold: per block, one forward of the whole
+`generate_with_dual_cache` at temperature 0 (`Rule`): per block, one forward of the whole
 canvas, then forwards of the block (dual: keys of the whole canvas from the block's first forward,
 the block's own fresh) or of the block and everything after it (prefix: keys before the block from
-the first forward); candidates argmax, confidence the float64 softmax probability; the most
-confident masked position always, and every other one whose confidence reaches the threshold.
+the first forward); candidates argmax, confidence the softmax probability over the whole
+vocabulary, [MASK] included (float64; float32 for LLaDA's `generate`); with a threshold the most
+confident masked position always and every other one whose confidence reaches it, without one
+the top k of LLaDA's linear schedule. Exactly equal confidences go to the lower position (the
+official `torch.topk` orders them its own way: docs/benchmarks.md, #48).
 """
 
 from __future__ import annotations
@@ -169,44 +172,74 @@ class Trace:
 
 
 def _transfer(logits: torch.Tensor, block_ids: torch.Tensor, mask_id: int,
-              threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast-dLLM's threshold rule on one block: (positions to reveal [n], their tokens [n])."""
+              rule: "Rule", count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast-dLLM's `get_transfer_index` on one block: (positions to reveal [n], their tokens [n]).
+    The softmax runs over the whole vocabulary, [MASK] included; with a threshold the most
+    confident masked position always and every other one not below it, else the top `count`."""
     x0 = logits.argmax(-1)
-    p = F.softmax(logits.to(torch.float64), dim=-1)
+    p = F.softmax(logits.to(rule.dtype), dim=-1)
     conf = torch.gather(p, -1, x0[:, None])[:, 0]
     masked = block_ids == mask_id
     conf = torch.where(masked, conf, torch.tensor(-float("inf"), dtype=conf.dtype))
     order = torch.argsort(conf, descending=True, stable=True)[: int(masked.sum())]
-    keep = [int(order[0])] + [int(j) for j in order[1:] if conf[j] >= threshold]
+    if rule.threshold is None:
+        keep = order[:count].tolist()
+    else:
+        keep = [int(order[0])] + [int(j) for j in order[1:] if conf[j] >= rule.threshold]
     sel = torch.tensor(keep, dtype=torch.long)
     return sel, x0[sel]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """The decision: a threshold (Fast-dLLM), or None for the fixed schedule of `steps` in all
+    (LLaDA's linear schedule per block: floor(m/s) a step, the first m mod s steps one more);
+    the softmax in `dtype` (float64: Fast-dLLM; float32: LLaDA's `generate`)."""
+    threshold: float | None = 0.9
+    steps: int | None = None
+    dtype: torch.dtype = torch.float64
+
+    def counts(self, gen_length: int, block_length: int) -> list[int]:
+        """Tokens to reveal at each step of a block (fixed schedule; unused with a threshold)."""
+        if self.threshold is not None:
+            return []
+        per_block = self.steps // (gen_length // block_length)
+        base, rem = divmod(block_length, per_block)
+        return [base + (1 if i < rem else 0) for i in range(per_block)]
+
+
+def _block_logits(ref: OfficialLLaDA, x: torch.Tensor, block: tuple[int, int], cache,
+                  kv_cache: str, trace: Trace):
+    """One forward of Fast-dLLM's loops: the block's logits [B, V] and the cache (module doc)."""
+    start, end = block
+    n = x.shape[1]
+    if cache is None or kv_cache == "none":
+        pos = torch.arange(n)
+        logits, cache = ref.forward(x, pos)
+        rows = logits[0, start:end]
+    else:
+        pos = torch.arange(start, end if kv_cache == "dual" else n)
+        logits, _ = ref.forward(x[:, start:pos[-1] + 1], pos, cache, pos)
+        rows = logits[0, : end - start]
+    trace.steps.append((pos, logits[0]))
+    return rows, cache
+
+
 def generate(ref: OfficialLLaDA, prompt: list[int], gen_length: int, block_length: int,
-             mask_id: int, threshold: float = 0.9, kv_cache: str = "none") -> Trace:
-    """Fast-dLLM-order threshold decoding of one prompt (module docstring), batch 1."""
+             mask_id: int, threshold: float | None | Rule = 0.9, kv_cache: str = "none") -> Trace:
+    """Fast-dLLM-order decoding of one prompt (module docstring), batch 1; `threshold` a number
+    (the threshold rule in float64) or a `Rule`."""
+    rule = threshold if isinstance(threshold, Rule) else Rule(threshold)
     n = len(prompt) + gen_length
     x = torch.tensor([prompt + [mask_id] * gen_length])
-    trace, all_pos = Trace(x), torch.arange(n)
+    trace = Trace(x)
+    counts = rule.counts(gen_length, block_length)
     for start in range(len(prompt), n, block_length):
-        end = start + block_length
-        first = True
+        end, cache, step = start + block_length, None, 0
         while bool((x[0, start:end] == mask_id).any()):
-            if first or kv_cache == "none":
-                logits, cache = ref.forward(x, all_pos)
-                trace.steps.append((all_pos, logits[0]))
-                block_logits = logits[0, start:end]
-            elif kv_cache == "dual":
-                pos = torch.arange(start, end)
-                logits, _ = ref.forward(x[:, start:end], pos, cache, pos)
-                trace.steps.append((pos, logits[0]))
-                block_logits = logits[0]
-            else:                                                  # prefix
-                pos = torch.arange(start, n)
-                logits, _ = ref.forward(x[:, start:], pos, cache, pos)
-                trace.steps.append((pos, logits[0]))
-                block_logits = logits[0, : end - start]
-            first = False
-            sel, tok = _transfer(block_logits, x[0, start:end], mask_id, threshold)
+            block_logits, cache = _block_logits(ref, x, (start, end), cache, kv_cache, trace)
+            count = counts[step] if counts else 0
+            sel, tok = _transfer(block_logits, x[0, start:end], mask_id, rule, count)
             x[0, start + sel] = tok
+            step += 1
     return trace

@@ -9,7 +9,7 @@ import torch
 
 from cover_vllm.attention import SeqLayout, build_metadata
 from cover_vllm.attention.sdpa import SDPABackend
-from cover_vllm.worker.kv_cache import LayerKV
+from cover_vllm.layers.kv_layout import LayerKV
 
 H, HKV, D, L = 4, 2, 16, 24
 

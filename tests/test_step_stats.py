@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cover_vllm.attention.base import SeqLayout, gather_heads
+from cover_vllm.attention.base import SeqLayout
+from cover_vllm.layers.kv_layout import gather_heads
 from cover_vllm.attention.layout import build_metadata
 from cover_vllm.worker.step_stats import attention_in_mass, key_drift, select_rows
 

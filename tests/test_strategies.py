@@ -69,6 +69,8 @@ class Req:
         self.generator = torch.Generator().manual_seed(7 + i)
         # logits of extra query rows (WINO's shadow block: one row per block slot)
         self.extra = 3 * torch.randn(end - start, V, generator=torch.Generator().manual_seed(i))
+        # the [MASK] column before the engine's -inf (confidences read it: #48)
+        self.mask_logits = 3 * torch.randn(w, generator=torch.Generator().manual_seed(50 + i))
 
 
 def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
@@ -81,6 +83,9 @@ def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
         logits[i, :w], tokens[i, :w], is_gen[i, :w] = r.logits, r.tokens, r.is_gen
         valid[i, :w] = True
         in_block[i, r.block[0]:r.block[1]] = True
+    mask_logits = torch.zeros(n, width)
+    for i, r in enumerate(reqs):
+        mask_logits[i, : r.tokens.numel()] = r.mask_logits
     extra = torch.zeros(n, max(r.extra.shape[0] for r in reqs), V)
     extra_valid = torch.zeros(extra.shape[:2], dtype=torch.bool)
     for i, r in enumerate(reqs):
@@ -91,7 +96,8 @@ def _batch(reqs: list[Req], generators: list[torch.Generator]) -> StepBatch:
         temperature=torch.tensor([r.temperature for r in reqs], dtype=torch.float64),
         top_p=torch.tensor([r.top_p for r in reqs], dtype=torch.float64),
         top_k=torch.tensor([r.top_k for r in reqs], dtype=torch.long),
-        generators=generators, mask_id=MASK, extra_logits=extra, extra_valid=extra_valid)
+        generators=generators, mask_id=MASK, extra_logits=extra, extra_valid=extra_valid,
+        mask_logits=mask_logits)
 
 
 def _rows(decision, i: int, w: int) -> dict:

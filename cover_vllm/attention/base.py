@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cover_vllm.layers.base import kv_halves
+from cover_vllm.layers.kv_layout import gather_kv, heads_first, window_kv
 
 
 @dataclass
@@ -265,17 +266,6 @@ def pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return q[meta.padded_rows(q.shape[1])]
 
 
-def heads_first(x: torch.Tensor, b: int, n: int, heads: int | None = None,
-                offset: int = 0) -> torch.Tensor:
-    """x [b * n, H, d] (any strides) seen as [b, H, n, d], the layout SDPA reads, without a
-    copy: one `as_strided` where a view and a transpose would dispatch two ops (each a launch
-    overhead on a GPU; issue #42). `heads` < H reads only that many heads from `offset`
-    (elements): the K or the V half of x [b * n, 2 Hkv, d] (`gather_kv`)."""
-    row, head, col = x.stride()
-    return x.as_strided((b, heads or x.shape[1], n, x.shape[2]), (n * row, head, row, col),
-                        x.storage_offset() + offset)
-
-
 def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """SDPA's output [B, H, Qmax, d] -> the window rows on the flat axis, heads side by side
     [Tm, H * d]. Every window full length: one view where the kernel laid the output out as
@@ -291,44 +281,6 @@ def unpad_queries(o: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     seq, slot = meta.window_rows()
     rows = o[seq, :, slot]                                              # [Tm, H, d]
     return rows.view(rows.shape[0], heads * d)
-
-
-def gather_heads(pool: torch.Tensor, slots: torch.Tensor,
-                 flat: torch.Tensor | None = None) -> torch.Tensor:
-    """pool [slots, H, d] at slots [B, K] -> [B, H, K, d], SDPA's layout (index_select: ~1.6x
-    faster on CPU than 2-D advanced indexing); `flat`: the slots already flattened [B * K]."""
-    flat = slots.reshape(-1) if flat is None else flat
-    return heads_first(pool.index_select(0, flat), *slots.shape)
-
-
-def gather_kv(cache, slots: torch.Tensor,
-              flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values at slots [B, K], each [B, Hkv, K, d]: the layout SDPA reads. A cache
-    whose K and V share one tensor (`joint` [slots, 2 Hkv, d], worker/kv_cache.py) is read by
-    one gather and seen as the two halves (three ops; four for two tensors)."""
-    flat = slots.reshape(-1) if flat is None else flat
-    b, k = slots.shape
-    joint = getattr(cache, "joint", None)
-    if joint is not None:
-        both = joint.index_select(0, flat)                                 # [B * K, 2 Hkv, d]
-        heads = both.shape[1] // 2
-        return (heads_first(both, b, k, heads),
-                heads_first(both, b, k, heads, offset=heads * both.stride(1)))
-    return tuple(gather_heads(c, slots, flat) for c in cache)
-
-
-def window_kv(kv: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
-              shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values [B, Hkv, K, d] when they are the window's own fresh K/V in canvas
-    order (`AttentionMetadata.keys_are_window`, shape = [B, K]): views of side-by-side `kv`
-    [B * K, 2 Hkv, d], or of `k` and `v` [B * K, Hkv, d]; the values `gather_kv` would read
-    back from the cache just written, without the gather."""
-    b, n = shape
-    if kv is not None:
-        heads = kv.shape[1] // 2
-        return (heads_first(kv, b, n, heads),
-                heads_first(kv, b, n, heads, offset=heads * kv.stride(1)))
-    return heads_first(k, b, n), heads_first(v, b, n)
 
 
 class AttentionBackend(ABC):

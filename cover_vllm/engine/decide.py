@@ -115,6 +115,7 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
     extra = _extras(extra_logits, device)
     padded = stack_logits(logits, width)
     with torch.inference_mode():                   # the runner's logits are inference tensors
+        mask_logits = padded.select(-1, reqs[0].mask_id).clone()   # [n, W], for confidences
         padded.select(-1, reqs[0].mask_id).fill_(float("-inf"))   # [MASK] is never a proposal
                                                 # (else: stuck); two ops, where `[..., id] =` is 6
     tokens, valid, in_block, is_gen, seeds = to_device(   # one copy (host_transfer.py)
@@ -127,7 +128,7 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
         generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
         drift=_stat(drift, width), attn_in=_stat(attn_in, width),
-        extra_logits=extra[0], extra_valid=extra[1], host_rows=host)
+        extra_logits=extra[0], extra_valid=extra[1], host_rows=host, mask_logits=mask_logits)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.attention.base import gather_heads
+from cover_vllm.layers.kv_layout import gather_heads
 from cover_vllm.models.gemma4_config import SLIDING
 
 

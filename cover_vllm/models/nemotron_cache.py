@@ -32,11 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cover_vllm.attention.base import gather_kv, heads_first, window_kv
 from cover_vllm.host_transfer import to_device
 from cover_vllm.layers.base import kv_halves
+from cover_vllm.layers.kv_layout import LayerKV, gather_kv, heads_first, window_kv
 from cover_vllm.layers.yarn import YarnRotaryEmbedding, positions_below
-from cover_vllm.worker.kv_cache import LayerKV
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 
 from cover_vllm.models.spec import ModelSpec
 from cover_vllm.step_plan import EmbedEdit, ExtraRows
+from cover_vllm.strategies.sampling import MaskColumn
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class StepBatch:
     extra_valid: torch.Tensor | None = None    # [n, E] bool, False on padding / no extra rows
     host_rows: CanvasRows | None = None    # the canvas rows on the host (None: the fields above
                                            # are host tensors already, e.g. a CPU engine)
+    mask_logits: torch.Tensor | None = None    # [n, W] float32: the [MASK] column of the model's
+                                               # logits, -inf in `logits` (`mask_column`)
 
     @property
     def device(self) -> torch.device:
@@ -125,6 +128,12 @@ class StepBatch:
             return self.host_rows
         assert self.tokens.device.type == "cpu", "a device batch carries its host rows"
         return self.rows
+
+    @property
+    def mask_column(self) -> MaskColumn | None:
+        """The [MASK] logits for the official softmax (`token_prob(mask=)`); None when the
+        batch was built without them (tests)."""
+        return None if self.mask_logits is None else MaskColumn(self.mask_id, self.mask_logits)
 
     @property
     def masked(self) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from cover_vllm.strategies.base import BlockState, Decision, StepBatch, Strategy, StrategyParams
 from cover_vllm.strategies.sampling import (filter_top_k_top_p, on_device, sample_candidates,
-                                            topk_mask)
+                                            softmax_probs, topk_mask)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     The returned probabilities are softmax(logits), untouched by temperature and truncation, so
     at T = 0 the decisions do not depend on top_p / top_k. The official code scores with the
     tempered, truncated distribution instead; the two agree at T = 0 with top_p = 1 and
-    top_k = -1, the settings of every golden case.
+    top_k = -1, the settings of every golden case. The softmax includes the [MASK] logit, as the
+    official one does (`StepBatch.mask_column`, #48).
     """
     hot = batch.temperature > 0
     scale = torch.where(hot, batch.temperature, 1.0).to(batch.logits.dtype)
@@ -81,7 +82,7 @@ def dream_candidates(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     logits = filter_top_k_top_p(logits, batch.top_k, torch.ones_like(batch.top_p))
     tokens = sample_candidates(logits, hot.to(batch.temperature.dtype), batch.generators,
                                batch.host.lengths)
-    return tokens, torch.softmax(batch.logits, dim=-1)
+    return tokens, softmax_probs(batch.logits, torch.float32, batch.mask_column)
 
 
 def sample_positions(batch: StepBatch, conf: torch.Tensor, count: torch.Tensor,

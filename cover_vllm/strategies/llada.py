@@ -84,10 +84,11 @@ def propose_scored(batch: StepBatch, rows: torch.Tensor | Rows,
     rows = as_rows(rows)
     if not plain_greedy(batch):
         tokens, logits = propose(batch, rows=rows)
-        return tokens, token_prob(logits, tokens, dtype, rows=rows)
+        return tokens, token_prob(logits, tokens, dtype, rows=rows, mask=batch.mask_column)
     picked = rows.take(batch.logits)                                         # [N, V]
     tokens = rows.put(greedy(picked), 0)
-    return tokens, token_prob(batch.logits, tokens, dtype, rows=rows, picked=picked)
+    return tokens, token_prob(batch.logits, tokens, dtype, rows=rows, picked=picked,
+                              mask=batch.mask_column)
 
 
 class LowConfidence(Strategy):

@@ -29,10 +29,11 @@ ends after a forward that started with no [MASK] and edited nothing (so every bl
 reference generates every block (`eos_ends_request` False: the output is still cut after the
 first EOS); with it, a finished block with an EOS ends the request.
 
-Not reproduced: the references' softmax includes the [MASK] logit, which the engine sets to -inf
-(confidences move by <= 3.4e-6 on the golden checkpoints, whose cases survive 1e-4 logit noise);
-LLaDA2.0's early return `x[P : eos + 1]` can pass max_tokens when the EOS lands in the last
-block's slots past it, and is empty when the prompt holds an EOS: here the output is the first
+The references' softmax includes the [MASK] logit, which the engine sets to -inf so that it is
+never proposed: the confidences put it back (`StepBatch.mask_column`, #48). Not reproduced:
+a row whose argmax is [MASK] (the engine proposes the next token there); LLaDA2.0's early
+return `x[P : eos + 1]` can pass max_tokens when the EOS lands in the last block's slots past it,
+and is empty when the prompt holds an EOS: here the output is the first
 max_tokens slots cut after the first generated EOS; the early-stop test looks at the current block
 only (an EOS in an earlier block would have ended the request unless ignore_eos).
 """

@@ -156,7 +156,8 @@ class Saber(Strategy):
                     recall):
         n = self.params.n
         tokens, logits = propose(batch)
-        conf = token_prob(logits, tokens, torch.float32).masked_fill(~prefix, NEG_INF)  # [n, W]
+        conf = token_prob(logits, tokens, torch.float32, mask=batch.mask_column)   # [n, W]
+        conf = conf.masked_fill(~prefix, NEG_INF)
         last = on_device(recall("last_conf"), conf)                    # conf in the last step
         delta = conf - last
         delta = torch.where(torch.isfinite(delta), delta, float("inf"))
@@ -188,7 +189,8 @@ class Saber(Strategy):
         filled = (prefix & ~batch.masked) | reveal
         count = count.masked_fill(~(unfilled & ~reveal).any(-1) | (filled.sum(-1) <= 1), 0)
         current = torch.where(reveal, tokens, batch.tokens)
-        own = token_prob(batch.logits, current, torch.float32)        # p(current token), no penalty
+        own = token_prob(batch.logits, current, torch.float32,        # p(current token),
+                         mask=batch.mask_column)                  # no penalty
         return (tokens, reveal, topk_mask((-own).masked_fill(~filled, NEG_INF), count),
                 {"first_conf": first})
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import torch
 
@@ -199,21 +200,52 @@ def uniform(length: int, generator: torch.Generator | None, like: torch.Tensor) 
     return _rand((length,), torch.float32, generator, like)
 
 
+@dataclass(frozen=True)
+class MaskColumn:
+    """The model's [MASK] logit at every view row, which `StepBatch.logits` holds at -inf so that
+    [MASK] is never proposed (else a block could stay stuck). The official decoders' softmax runs
+    over the whole vocabulary, [MASK] included, so a confidence puts it back: left out, on a
+    random bf16 llada-50m it moved float64 confidences by ~7e-5 of their value and flipped a
+    2.2e-11 near-tie deciding which position is revealed (issue #48)."""
+
+    token_id: int
+    logits: torch.Tensor        # [n, W] float32, the [MASK] column before the -inf
+
+    def restore(self, logits: torch.Tensor, dtype: torch.dtype,
+                rows: Rows | None = None) -> torch.Tensor:
+        """A copy of `logits` ([n, W, V], or [N, V] = `rows.take` of them) in `dtype` with the
+        [MASK] column written back: the rows the official softmax reads, bit for bit."""
+        assert rows is None or not rows.nested, "the column is [n, W]: rows of the view"
+        out = logits.to(dtype, copy=True)
+        column = self.logits if rows is None else rows.take(self.logits)
+        out.select(-1, self.token_id).copy_(column)
+        return out
+
+
+def softmax_probs(logits: torch.Tensor, dtype: torch.dtype, mask: MaskColumn | None,
+                  rows: Rows | None = None) -> torch.Tensor:
+    """softmax over the vocabulary in `dtype`, over the official row when `mask` is given."""
+    x = logits.to(dtype) if mask is None else mask.restore(logits, dtype, rows)
+    return torch.softmax(x, dim=-1)
+
+
 def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
                dtype: torch.dtype = torch.float32, rows: Rows | torch.Tensor | None = None,
-               picked: torch.Tensor | None = None) -> torch.Tensor:
+               picked: torch.Tensor | None = None, mask: MaskColumn | None = None) -> torch.Tensor:
     """softmax(logits)[tokens] computed in `dtype`: [n, W, V], [n, W] -> [n, W].
 
     With `rows` only those rows count (0 elsewhere): a full-vocabulary softmax is the costliest
     part of a decision, and a row's value never depends on the others. `picked` is
-    `rows.take(logits)` when the caller already has it.
+    `rows.take(logits)` when the caller already has it. With `mask` (the batch's
+    `mask_column`) the softmax includes the [MASK] logit, as the official decoders' does; it
+    costs one copy of the rows read (none extra in float64, where the cast copies anyway).
     """
     if rows is None:
-        return torch.softmax(logits.to(dtype), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+        return softmax_probs(logits, dtype, mask).gather(-1, tokens[..., None]).squeeze(-1)
     rows = as_rows(rows)
     if picked is None:
         picked = rows.take(logits)                                          # [N, V]
-    return rows.gather(torch.softmax(picked.to(dtype), dim=-1), tokens, 0.0)
+    return rows.gather(softmax_probs(picked, dtype, mask, rows), tokens, 0.0)
 
 
 def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:

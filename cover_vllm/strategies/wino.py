@@ -142,7 +142,8 @@ class Wino(Strategy):
         p = self.params
         tokens, logits = propose(batch)
         cand = batch.candidates
-        conf = token_prob(logits, tokens, torch.float64).masked_fill(~cand, -INF)   # [n, W]
+        conf = token_prob(logits, tokens, torch.float64, mask=batch.mask_column)   # [n, W]
+        conf = conf.masked_fill(~cand, -INF)
         # Wide-In: int(masked * 0.7) on a tensor, as the reference computes it
         max_accept = (cand.sum(-1) * p.accept_ratio).long().clamp(p.accept_min, p.accept_max)
         above = cand & (conf > p.threshold)

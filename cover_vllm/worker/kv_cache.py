@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from cover_vllm.layers.base import ModelDims
+from cover_vllm.layers.kv_layout import LayerKV
 from cover_vllm.models.gemma4_config import SLIDING
 
 MIN_ENCODE_CHUNK = 256      # prompt tokens the encoder may write per sequence and call, at least
@@ -135,19 +136,6 @@ class KVLayout:
         rest = budget - num_scratch * self.bytes_per_token(dtype)
         num_pages, num_rings = self.split(rest, page_size, dtype, max_seqs, seq_tokens)
         return KVPlan(num_pages, num_rings, num_scratch)
-
-
-class LayerKV(tuple):
-    """One layer's (k_cache, v_cache) [slots, Hkv, d]: the two halves of `joint` [slots,
-    2 Hkv, d] (K heads, then V heads), so that one op writes both and one gather reads both
-    (attention/base.py)."""
-
-    joint: torch.Tensor
-
-    def __new__(cls, joint: torch.Tensor) -> "LayerKV":
-        pair = super().__new__(cls, joint.split(joint.shape[1] // 2, dim=1))
-        pair.joint = joint
-        return pair
 
 
 class KVCache:
