@@ -312,7 +312,7 @@ def test_cheaper_topk_masks_equal_the_general_one():
     for _ in range(20):
         ranked = _ranked_scores(gen)
         minus = torch.where(ranked.isneginf(), ranked, -ranked)    # -own, as COVER ranks it
-        for scores in (ranked, minus, torch.empty(0, 12).double()):
+        for scores in (ranked, minus, torch.empty(0, 12).double(), torch.empty(3, 0).double()):
             for k in (0, 1, 3, 12, torch.randint(-1, 6, (scores.shape[0],), generator=gen)):
                 assert torch.equal(topk_mask(scores, k, never_inf=True), topk_mask(scores, k))
             for threshold in (0.0, 0.5, 0.9, 2.0):

@@ -278,7 +278,10 @@ def top1_or_at_least(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     `topk_mask`'s `never_inf`), [n, W] -> [n, W] bool, in four device ops instead of eight
     (issue #42): `max(dim)` finds each row's first highest score (ties to the lower position,
     as the stable sort), and its place is set to whether that score is finite. A NaN row
-    maximum is not finite, and neither chooses it: `topk_mask` ranks NaN first and drops it."""
+    maximum is not finite, and neither chooses it: `topk_mask` ranks NaN first and drops it.
+    Rows of no column have no maximum (`max` would raise): nothing is chosen."""
+    if scores.shape[-1] == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
     top, at = scores.max(dim=-1, keepdim=True)                            # [n, 1] each
     return (scores >= threshold).scatter_(-1, at, top > float("-inf"))
 
