@@ -288,3 +288,50 @@ def test_chunked_greedy_equals_max_indices(dtype):
               logits.transpose(0, 1), logits[:0]):
         assert torch.equal(greedy(x), x.max(dim=-1).indices)
     assert int(greedy(logits)[0, 1]) == 5 * GREEDY_CHUNK + 3
+
+
+def _ranked_scores(gen: torch.Generator) -> torch.Tensor:
+    """[9, 12] float64 probabilities with ties, -inf for "none", a row of -inf and NaN rows:
+    the scores COVER's masks rank (never +inf)."""
+    scores = torch.randint(0, 5, (9, 12), generator=gen).double() / 4     # ties everywhere
+    scores[torch.rand(9, 12, generator=gen) < 0.3] = float("-inf")
+    scores[1] = float("-inf")
+    scores[2, 4] = float("nan")
+    scores[3] = float("nan")
+    scores[4, :3] = 1.0                                   # three tied maxima: the first wins
+    return scores
+
+
+def test_cheaper_topk_masks_equal_the_general_one():
+    """COVER's cheaper masks (issue #42) give the general `topk_mask`'s bits: `never_inf`
+    (finite as `> -inf`), and `top1_or_at_least` (one `max(dim)` and a scatter) for the draft
+    rule `topk_mask(s, 1) | (s >= threshold)`, over ties, empty rows and NaN."""
+    from cover_vllm.strategies.sampling import top1_or_at_least, topk_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ranked = _ranked_scores(gen)
+        minus = torch.where(ranked.isneginf(), ranked, -ranked)    # -own, as COVER ranks it
+        for scores in (ranked, minus, torch.empty(0, 12).double(), torch.empty(3, 0).double()):
+            for k in (0, 1, 3, 12, torch.randint(-1, 6, (scores.shape[0],), generator=gen)):
+                assert torch.equal(topk_mask(scores, k, never_inf=True), topk_mask(scores, k))
+            for threshold in (0.0, 0.5, 0.9, 2.0):
+                assert torch.equal(top1_or_at_least(scores, threshold),
+                                   topk_mask(scores, 1) | (scores >= threshold))
+
+
+def test_greedy_max_equals_greedy_and_amax():
+    """`greedy_max` gives `greedy`'s indices and `amax`'s values; off the CPU it is one
+    `max(dim)`, whose values and indices are checked here against the same pair (ties to the
+    first index, a NaN row's NaN)."""
+    from cover_vllm.strategies.sampling import greedy, greedy_max
+
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.randint(0, 4, (7, 256), generator=gen).double().softmax(-1)     # ties
+    probs[2, 5] = float("nan")
+    best, conf = greedy_max(probs)
+    values, indices = probs.max(dim=-1)
+    for got in (best, indices):
+        assert torch.equal(got, greedy(probs))
+    for got in (conf, values):
+        assert torch.allclose(got, probs.amax(-1), rtol=0, atol=0, equal_nan=True)

@@ -118,8 +118,11 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         mask_logits = padded.select(-1, reqs[0].mask_id).clone()   # [n, W], for confidences
         padded.select(-1, reqs[0].mask_id).fill_(float("-inf"))   # [MASK] is never a proposal
                                                 # (else: stuck); two ops, where `[..., id] =` is 6
-    tokens, valid, in_block, is_gen, seeds = to_device(   # one copy (host_transfer.py)
-        [host.tokens, host.valid, host.in_block, host.is_gen, host.seeds], device)
+    # one copy (host_transfer.py); the candidates ride in it: a fifth [n, W] mask costs the
+    # device no op, three on the device (== mask_id, & valid, & in_block) would (#42)
+    tokens, valid, in_block, is_gen, seeds, candidates = to_device(
+        [host.tokens, host.valid, host.in_block, host.is_gen, host.seeds, host.candidates],
+        device)
     return StepBatch(
         logits=padded, tokens=tokens, valid=valid, in_block=in_block, is_gen=is_gen,
         states=[r.state for r in reqs],
@@ -128,7 +131,8 @@ def _batch(reqs: list[Request], items, logits: list[torch.Tensor], drift=None,
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
         generators=[r.generator for r in reqs], mask_id=reqs[0].mask_id, seeds=seeds,
         drift=_stat(drift, width), attn_in=_stat(attn_in, width),
-        extra_logits=extra[0], extra_valid=extra[1], host_rows=host, mask_logits=mask_logits)
+        extra_logits=extra[0], extra_valid=extra[1], host_rows=host, mask_logits=mask_logits,
+        moved_candidates=candidates)
 
 
 @dataclass

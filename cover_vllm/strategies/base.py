@@ -110,6 +110,8 @@ class StepBatch:
                                            # are host tensors already, e.g. a CPU engine)
     mask_logits: torch.Tensor | None = None    # [n, W] float32: the [MASK] column of the model's
                                                # logits, -inf in `logits` (`mask_column`)
+    moved_candidates: torch.Tensor | None = None   # [n, W] bool: `candidates`, computed on the
+                                                   # host and moved in the step's one copy (#42)
 
     @property
     def device(self) -> torch.device:
@@ -141,6 +143,10 @@ class StepBatch:
 
     @property
     def candidates(self) -> torch.Tensor:
+        """[n, W] bool, `CanvasRows.candidates`: the engine's batches bring them from the host
+        (three device ops fewer a step); a batch built without them computes them here."""
+        if self.moved_candidates is not None:
+            return self.moved_candidates
         return self.rows.candidates
 
 

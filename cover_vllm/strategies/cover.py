@@ -23,7 +23,8 @@ import torch
 from cover_vllm.strategies.base import (BlockState, Decision, StepBatch, Strategy,
                                         StrategyParams, block_rows)
 from cover_vllm.strategies.llada import plain_greedy, propose
-from cover_vllm.strategies.sampling import Rows, greedy, topk_mask
+from cover_vllm.strategies.sampling import (Rows, greedy, greedy_max, top1_or_at_least,
+                                            topk_mask)
 from cover_vllm.strategies.state_rows import RowMemory, StateRows
 
 
@@ -153,8 +154,8 @@ def _least_likely(mask: torch.Tensor, minus_own: torch.Tensor,
                   k: torch.Tensor | int) -> torch.Tensor:
     """[n, W] bool: within `mask`, the k[request] positions with the lowest own-token
     probability (ties: lower position first); `minus_own` = -own, negated once per decision.
-    A k below 1 picks nothing (no rank is below it)."""
-    return topk_mask(torch.where(mask, minus_own, float("-inf")), k)
+    A k below 1 picks nothing (no rank is below it). -own is never +inf (own is a probability)."""
+    return topk_mask(torch.where(mask, minus_own, float("-inf")), k, never_inf=True)
 
 
 class Cover(Strategy):
@@ -273,15 +274,15 @@ class Cover(Strategy):
         probs = torch.softmax(picked.to(torch.float64), dim=-1)               # [N, V]
         cand_conf = rows.gather(probs, draft_tokens, float("-inf"),   # = threshold's float64
                                 keep=candidates)
-        draft = topk_mask(cand_conf, 1)
-        draft |= cand_conf >= p.draft_threshold          # a probability, or -inf: never chosen
+        # the surest [MASK] of each request, and every one at least draft_threshold sure
+        draft = top1_or_at_least(cand_conf, p.draft_threshold)   # a probability, or -inf
         if p.max_draft is not None:
-            draft &= topk_mask(cand_conf, p.max_draft)
+            draft &= topk_mask(cand_conf, p.max_draft, never_inf=True)
         # each seed's leave-one-out row: its argmax, that one's probability, its own token's
         checks = Rows(seeds, within=rows)
         loo = checks.take(probs)                                             # [S, V]
-        best = checks.put(greedy(loo), 0)                   # argmax, first on ties
-        conf = checks.put(loo.amax(-1), 0.0)
+        best, conf = greedy_max(loo)                        # argmax (first on ties), its prob
+        best, conf = checks.put(best, 0), checks.put(conf, 0.0)
         own_token = checks.take(rows.take(batch.tokens)).clamp(max=probs.shape[-1] - 1)
         own = checks.gather_taken(loo, own_token, 0.0)
         keep, deferred, replace, remask = self._judge(batch, seeds, draft, best, conf, own)

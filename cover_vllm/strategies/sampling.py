@@ -157,6 +157,16 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return first * GREEDY_CHUNK + inside.squeeze(-2).max(dim=-1).indices
 
 
+def greedy_max(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`greedy(probs)`, `probs.amax(-1)`): off the CPU one `max(dim)` gives both (its values
+    are amax's, bit for bit), one device op fewer in COVER's check (issue #42). On the CPU the
+    faster two-step `greedy` and a vectorised `amax`, as before."""
+    if probs.device.type == "cpu":
+        return greedy(probs), probs.amax(-1)
+    values, indices = probs.max(dim=-1)
+    return indices, values
+
+
 def hot_rows(temperature: torch.Tensor) -> list[int]:
     """Requests that sample (temperature > 0), from the host copy of their temperatures."""
     return (temperature > 0).nonzero().flatten().tolist()
@@ -248,16 +258,32 @@ def token_prob(logits: torch.Tensor, tokens: torch.Tensor,
     return rows.gather(softmax_probs(picked, dtype, mask, rows), tokens, 0.0)
 
 
-def topk_mask(scores: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+def topk_mask(scores: torch.Tensor, k: torch.Tensor | int, *,
+              never_inf: bool = False) -> torch.Tensor:
     """Per row, True at the k[i] highest scores (non-finite entries are never chosen); ties go
     to the lower position. scores [n, W]; k [n] (on any device: a host tensor is copied) or one
-    int for every row.
+    int for every row. `never_inf`: the caller knows no score is +inf (probabilities, or their
+    negatives, with -inf for "none"), so `scores > -inf` is `finite(scores)` (NaN included) in
+    one op instead of two.
 
-    Seven ops for the batch: the stable descending order, its inverse permutation (each
-    position's rank: an argsort of a permutation), and `finite` (issue #42)."""
+    Seven ops for the batch (six with `never_inf`): the stable descending order, its inverse
+    permutation (each position's rank: an argsort of a permutation), and `finite` (issue #42)."""
     ranks = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
     within = ranks < (k if isinstance(k, int) else on_device(k, scores)[:, None])
-    return within & finite(scores)
+    return within & (scores > float("-inf") if never_inf else finite(scores))
+
+
+def top1_or_at_least(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`topk_mask(scores, 1) | (scores >= threshold)` of scores that are never +inf (see
+    `topk_mask`'s `never_inf`), [n, W] -> [n, W] bool, in four device ops instead of eight
+    (issue #42): `max(dim)` finds each row's first highest score (ties to the lower position,
+    as the stable sort), and its place is set to whether that score is finite. A NaN row
+    maximum is not finite, and neither chooses it: `topk_mask` ranks NaN first and drops it.
+    Rows of no column have no maximum (`max` would raise): nothing is chosen."""
+    if scores.shape[-1] == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    top, at = scores.max(dim=-1, keepdim=True)                            # [n, 1] each
+    return (scores >= threshold).scatter_(-1, at, top > float("-inf"))
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
