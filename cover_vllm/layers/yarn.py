@@ -130,6 +130,15 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         return bound is not None and bound <= self.params.original_max and math.isfinite(beta)
 
 
+def yarn_ropes(model: torch.nn.Module) -> list["YarnRotaryEmbedding"]:
+    """The model's YaRN rotations (for `positions_below`), found once per model."""
+    ropes = model.__dict__.get("_yarn_ropes")
+    if ropes is None:
+        ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
+        model.__dict__["_yarn_ropes"] = ropes
+    return ropes
+
+
 @contextlib.contextmanager
 def positions_below(ropes: list[YarnRotaryEmbedding], positions: torch.Tensor | int):
     """Within this block each of `ropes` knows that every position it is given is below the

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from cover_vllm.host_transfer import to_device
 from cover_vllm.layers.base import kv_halves
 from cover_vllm.layers.kv_layout import LayerKV, gather_kv, heads_first, window_kv
-from cover_vllm.layers.yarn import YarnRotaryEmbedding, positions_below
+from cover_vllm.layers.yarn import positions_below, yarn_ropes
 
 
 @dataclass
@@ -326,7 +326,7 @@ def run_pieces(model, cache: SlotCache, pieces: list[Piece],
         adapter.set_rows(_adapter_rows(pieces, n, cache.device))
     last = max(cache.lengths[p.slot] + len(p.tokens) for p in pieces)
     try:
-        with positions_below(_yarn_ropes(model), last - 1):
+        with positions_below(yarn_ropes(model), last - 1):
             hidden = model.forward_tokens(model.embed(ids), attn.positions(), attn)
     finally:
         if adapter is not None:
@@ -340,16 +340,6 @@ def run_pieces(model, cache: SlotCache, pieces: list[Piece],
                         dtype=torch.long, device=cache.device)
     out = model.compute_logits(hidden.index_select(0, want))
     return PieceLogits(out.float(), [len(p.logits_rows) for p in pieces])
-
-
-def _yarn_ropes(model) -> list[YarnRotaryEmbedding]:
-    """The model's YaRN rotations, found once (their Llama-4 q scale is skipped when every
-    position of the step is below original_max_position_embeddings, as in the model runner)."""
-    ropes = model.__dict__.get("_yarn_ropes")
-    if ropes is None:
-        ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
-        model.__dict__["_yarn_ropes"] = ropes
-    return ropes
 
 
 def _adapter_rows(pieces: list[Piece], n: int, device) -> torch.Tensor | None:

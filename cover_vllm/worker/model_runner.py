@@ -16,7 +16,7 @@ from cover_vllm.attention import AttentionBackend, build_metadata
 from cover_vllm.attention.layout import move_to
 from cover_vllm.host_transfer import HostTransfer
 from cover_vllm.layers.base import kv_halves
-from cover_vllm.layers.yarn import YarnRotaryEmbedding, positions_below
+from cover_vllm.layers.yarn import positions_below, yarn_ropes
 from cover_vllm.scheduler.output import SchedulerOutput, WorkItem
 from cover_vllm.step_plan import ModelRunnerOutput
 from cover_vllm.worker.batch_layout import Layout, lay_out, stat_rows
@@ -57,7 +57,7 @@ class ModelRunner:
         self.transfer = HostTransfer()          # counts the copies to the host (benchmarks)
         pad_slot = getattr(cache, "pad_slot", None)
         # rotations told the step's largest position (layers/yarn.py `positions_below`)
-        self.bounded_ropes = [m for m in model.modules() if isinstance(m, YarnRotaryEmbedding)]
+        self.bounded_ropes = yarn_ropes(model)
         # CUDA graphs of the forward (worker/cuda_graphs.py); None: always eager
         self.graphs = (None if capture is None or pad_slot is None else
                        GraphRunner(self._forward, capture, pad_slot, self.device))
